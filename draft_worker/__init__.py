@@ -1,0 +1,1 @@
+"""Draft worker: the small model that proposes k tokens per round."""

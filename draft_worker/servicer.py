@@ -1,0 +1,32 @@
+"""DraftWorker gRPC servicer: protobuf <-> ProposeParams/ProposeResult, nothing else."""
+from __future__ import annotations
+
+import grpc
+
+from draft_worker.engine import DraftEngine, ProposeParams
+from specdec.convert import commit_from_pb, dist_to_pb, sampling_from_pb, timing_to_pb
+from specdec.v1 import worker_pb2, worker_pb2_grpc
+from specdec.worker_core import WorkerCore
+from specdec.worker_server import WorkerServicerBase
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
+
+
+class DraftServicer(WorkerServicerBase, worker_pb2_grpc.DraftWorkerServicer):
+    def __init__(self, core: WorkerCore, max_q_entries: int = 256) -> None:
+        super().__init__(core)
+        self.engine = DraftEngine(core, max_q_entries)
+
+    async def Propose(self, request: worker_pb2.ProposeRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.ProposeResponse:
+        params = ProposeParams(session_id=request.session_id, commit=commit_from_pb(request.commit),
+                               k=request.k, sampling=sampling_from_pb(request.sampling),
+                               min_draft_prob=request.min_draft_prob)
+        result = await self.run_engine(context, lambda: self.engine.propose(params))
+        return worker_pb2.ProposeResponse(tokens=result.tokens, q=[dist_to_pb(q) for q in result.q],
+                                          token_probs=result.token_probs, cache_len=result.cache_len,
+                                          timing=timing_to_pb(result.stats))
+
+
+def register(servicer: DraftServicer, server: grpc.aio.Server) -> None:
+    worker_pb2_grpc.add_DraftWorkerServicer_to_server(servicer, server)

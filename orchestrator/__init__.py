@@ -1,0 +1,1 @@
+"""Orchestrator: public Generate API, admission control, the round loop, adaptive k."""

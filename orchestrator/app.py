@@ -1,0 +1,130 @@
+"""Building and running the orchestrator server (shared by the CLI, the demo and the tests)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import tomllib
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from orchestrator import servicer as orch_servicer
+from orchestrator.admission import Admission
+from orchestrator.clients import GrpcDraftBackend, GrpcTargetBackend
+from orchestrator.engine import EngineLimits, GenerationEngine, SpeculationConfig
+from specdec import grpc_util
+from specdec.errors import WorkerUnavailable
+from specdec.models import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    draft_address: str
+    target_address: str
+    tokenizer: str
+    speculation: SpeculationConfig = SpeculationConfig()
+    limits: EngineLimits = EngineLimits()
+    max_concurrent: int = 8
+    max_queue: int = 32
+    rate_per_s: float = 0.0
+    host: str = "127.0.0.1"
+    port: int = 0
+    connect_timeout_s: float = 120.0
+
+
+def load_speculation_file(path: str, base: SpeculationConfig) -> SpeculationConfig:
+    """TOML file with a [speculation] table (what the k8s ConfigMap carries)."""
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    table: dict[str, Any] = data.get("speculation", {})
+    known = {f.name for f in fields(SpeculationConfig)}
+    unknown = set(table) - known
+    if unknown:
+        raise ValueError(f"{path}: unknown [speculation] keys: {', '.join(sorted(unknown))}")
+    return replace(base, **table)
+
+
+async def wait_for_worker(backend: Any, timeout_s: float):
+    """Workers may still be loading their model: retry GetInfo until timeout."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            return await backend.describe(timeout_s=5.0)
+        except WorkerUnavailable:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def build_engine(cfg: OrchestratorConfig) -> tuple[GenerationEngine, GrpcDraftBackend, GrpcTargetBackend]:
+    draft = GrpcDraftBackend(cfg.draft_address)
+    target = GrpcTargetBackend(cfg.target_address)
+    target_info = await wait_for_worker(target, cfg.connect_timeout_s)
+    draft_info = await wait_for_worker(draft, cfg.connect_timeout_s)
+    if draft_info.tokenizer_fingerprint != target_info.tokenizer_fingerprint:
+        raise SystemExit(f"draft ({draft_info.model_ref}) and target ({target_info.model_ref}) use different "
+                         "tokenizers; speculative decoding needs a shared vocabulary")
+    if draft_info.vocab_size != target_info.vocab_size:
+        log.warning("draft vocab %d != target vocab %d (padding rows); ids beyond the tokenizer are never sampled",
+                    draft_info.vocab_size, target_info.vocab_size)
+    tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer)
+    engine = GenerationEngine(draft, target, tokenizer, target_info, cfg.speculation, cfg.limits)
+    log.info("draft %s at %s, target %s at %s", draft_info.model_ref, cfg.draft_address,
+             target_info.model_ref, cfg.target_address)
+    return engine, draft, target
+
+
+async def start_orchestrator(cfg: OrchestratorConfig):
+    engine, draft, target = await build_engine(cfg)
+    servicer = orch_servicer.OrchestratorServicer(engine, Admission(cfg.max_concurrent, cfg.max_queue, cfg.rate_per_s))
+    handle = await grpc_util.start_server(lambda s: orch_servicer.register(servicer, s),
+                                          [orch_servicer.SERVICE_NAME], host=cfg.host, port=cfg.port)
+    return handle, servicer, (draft, target)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    from specdec.embedded import DEFAULT_TARGET
+    parser.add_argument("--draft", required=True, help="draft worker address host:port")
+    parser.add_argument("--target", required=True, help="target worker address host:port")
+    parser.add_argument("--tokenizer", default=DEFAULT_TARGET, help="tokenizer ref (the target's model ref)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--port-file")
+    parser.add_argument("--config", help="TOML file with a [speculation] table (policy, min_k, max_k, ...)")
+    parser.add_argument("--policy", help="default k policy: fixed, heuristic, cost")
+    parser.add_argument("--min-k", type=int)
+    parser.add_argument("--max-k", type=int)
+    parser.add_argument("--fixed-k", type=int)
+    parser.add_argument("--min-draft-prob", type=float)
+    parser.add_argument("--max-new-tokens-limit", type=int, default=4096)
+    parser.add_argument("--max-concurrent", type=int, default=8)
+    parser.add_argument("--max-queue", type=int, default=32)
+    parser.add_argument("--rate-per-s", type=float, default=0.0, help="admission rate limit (0: off)")
+    parser.add_argument("--max-sessions", type=int, default=10_000)
+    parser.add_argument("--session-ttl-s", type=float, default=600.0)
+    parser.add_argument("--grace-s", type=float, default=10.0)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
+    spec = SpeculationConfig()
+    if args.config:
+        spec = load_speculation_file(args.config, spec)
+    flags = {"policy": args.policy, "min_k": args.min_k, "max_k": args.max_k, "fixed_k": args.fixed_k,
+             "min_draft_prob": args.min_draft_prob}
+    spec = replace(spec, **{k: v for k, v in flags.items() if v is not None})  # flags beat the file
+    limits = EngineLimits(max_new_tokens=args.max_new_tokens_limit, max_sessions=args.max_sessions,
+                          session_ttl_s=args.session_ttl_s)
+    return OrchestratorConfig(args.draft, args.target, args.tokenizer, spec, limits, args.max_concurrent,
+                              args.max_queue, args.rate_per_s, args.host, args.port)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    handle, _, backends = await start_orchestrator(config_from_args(args))
+    try:
+        await grpc_util.run_until_signalled(handle, args.grace_s, args.port_file)
+    finally:
+        for backend in backends:
+            await backend.close()

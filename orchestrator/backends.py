@@ -1,0 +1,65 @@
+"""What the round loop needs from the workers, independent of transport (no grpc here).
+
+The grpc implementation lives in orchestrator.clients. The draft distributions q are opaque to the
+orchestrator: they travel from the draft's reply into the target's request untouched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from specdec.sampling import SamplingConfig
+from specdec.worker_core import Commit
+
+
+@dataclass
+class DraftReply:
+    tokens: list[int]
+    token_probs: list[float]
+    cache_len: int
+    compute_ms: float
+    prefilled_tokens: int
+    q_payload: Any = None           # opaque, forwarded to the target
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wall_ms: float = 0.0
+
+
+@dataclass
+class VerifyReply:
+    accepted_len: int
+    next_token: int
+    cache_len: int
+    compute_ms: float
+    prefilled_tokens: int
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wall_ms: float = 0.0
+
+
+@dataclass
+class WorkerDescription:
+    role: str
+    model_ref: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    tokenizer_fingerprint: str = ""
+
+
+class DraftBackend(Protocol):
+    async def propose(self, session_id: str, commit: Commit, k: int, sampling: SamplingConfig,
+                      min_draft_prob: float, timeout_s: float | None) -> DraftReply: ...
+
+    async def end_session(self, session_id: str) -> bool: ...
+
+    async def describe(self, timeout_s: float | None = None) -> WorkerDescription: ...
+
+
+class TargetBackend(Protocol):
+    async def verify(self, session_id: str, commit: Commit, draft_tokens: list[int], q_payload: Any,
+                     sampling: SamplingConfig, timeout_s: float | None) -> VerifyReply: ...
+
+    async def end_session(self, session_id: str) -> bool: ...
+
+    async def describe(self, timeout_s: float | None = None) -> WorkerDescription: ...

@@ -1,0 +1,105 @@
+"""gRPC implementations of the worker backends; map grpc status codes to domain errors."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+
+from orchestrator.backends import DraftReply, VerifyReply, WorkerDescription
+from specdec.convert import commit_to_pb, sampling_to_pb
+from specdec.errors import (CacheMismatch, CapacityExceeded, DeadlineExceeded, InvalidRequest,
+                            SessionNotFound, SpecdecError, WorkerUnavailable)
+from specdec.grpc_util import CHANNEL_OPTIONS
+from specdec.sampling import SamplingConfig
+from specdec.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from specdec.worker_core import Commit
+
+_ERRORS: dict[grpc.StatusCode, type[SpecdecError]] = {
+    grpc.StatusCode.NOT_FOUND: SessionNotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: CacheMismatch,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityExceeded,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNAVAILABLE: WorkerUnavailable,
+    grpc.StatusCode.CANCELLED: WorkerUnavailable,
+}
+
+
+def _domain_error(role: str, address: str, err: grpc.aio.AioRpcError) -> SpecdecError:
+    cls = _ERRORS.get(err.code(), WorkerUnavailable)
+    return cls(f"{role} worker at {address}: {err.code().name}: {err.details()}")
+
+
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    if credentials is not None:
+        return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class _WorkerClient:
+    role = "worker"
+
+    def __init__(self, address: str, channel: grpc.aio.Channel | None = None) -> None:
+        self.address = address
+        self.channel = channel or open_channel(address)
+
+    async def _call(self, method: Any, request: Any, timeout_s: float | None) -> Any:
+        try:
+            return await method(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise _domain_error(self.role, self.address, err) from err
+
+    async def end_session(self, session_id: str) -> bool:
+        reply = await self._call(self._stub.EndSession, common_pb2.EndSessionRequest(session_id=session_id), 10.0)
+        return reply.existed
+
+    async def describe(self, timeout_s: float | None = 30.0) -> WorkerDescription:
+        info = await self._call(self._stub.GetInfo, common_pb2.GetInfoRequest(), timeout_s)
+        return WorkerDescription(info.role, info.model_ref, info.vocab_size, info.max_context,
+                                 list(info.eos_token_ids), info.tokenizer_fingerprint)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class GrpcDraftBackend(_WorkerClient):
+    role = "draft"
+
+    def __init__(self, address: str, channel: grpc.aio.Channel | None = None) -> None:
+        super().__init__(address, channel)
+        self._stub = worker_pb2_grpc.DraftWorkerStub(self.channel)
+
+    async def propose(self, session_id: str, commit: Commit, k: int, sampling: SamplingConfig,
+                      min_draft_prob: float, timeout_s: float | None) -> DraftReply:
+        request = worker_pb2.ProposeRequest(session_id=session_id, commit=commit_to_pb(commit), k=k,
+                                            sampling=sampling_to_pb(sampling), min_draft_prob=min_draft_prob)
+        start = time.perf_counter()
+        reply = await self._call(self._stub.Propose, request, timeout_s)
+        return DraftReply(tokens=list(reply.tokens), token_probs=list(reply.token_probs),
+                          cache_len=reply.cache_len, compute_ms=reply.timing.compute_ms,
+                          prefilled_tokens=reply.timing.prefilled_tokens, q_payload=reply.q,
+                          bytes_sent=request.ByteSize(), bytes_received=reply.ByteSize(),
+                          wall_ms=(time.perf_counter() - start) * 1000.0)
+
+
+class GrpcTargetBackend(_WorkerClient):
+    role = "target"
+
+    def __init__(self, address: str, channel: grpc.aio.Channel | None = None) -> None:
+        super().__init__(address, channel)
+        self._stub = worker_pb2_grpc.TargetWorkerStub(self.channel)
+
+    async def verify(self, session_id: str, commit: Commit, draft_tokens: list[int], q_payload: Any,
+                     sampling: SamplingConfig, timeout_s: float | None) -> VerifyReply:
+        request = worker_pb2.VerifyRequest(session_id=session_id, commit=commit_to_pb(commit),
+                                           draft_tokens=draft_tokens, sampling=sampling_to_pb(sampling))
+        if q_payload is not None and not sampling.greedy:
+            request.q.extend(q_payload)
+        start = time.perf_counter()
+        reply = await self._call(self._stub.Verify, request, timeout_s)
+        return VerifyReply(accepted_len=reply.accepted_len, next_token=reply.next_token,
+                           cache_len=reply.cache_len, compute_ms=reply.timing.compute_ms,
+                           prefilled_tokens=reply.timing.prefilled_tokens,
+                           bytes_sent=request.ByteSize(), bytes_received=reply.ByteSize(),
+                           wall_ms=(time.perf_counter() - start) * 1000.0)

@@ -1,0 +1,423 @@
+"""The round loop: draft proposes, target verifies, the orchestrator commits (no grpc here)."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.backends import DraftBackend, TargetBackend, WorkerDescription
+from orchestrator.sessions import OrchestratorSession, OrchestratorSessions, WorkerView
+from orchestrator.text import TextAssembler
+from specdec.errors import (CacheMismatch, DeadlineExceeded, InvalidRequest, SessionBusy,
+                            SessionNotFound, SpecdecError, WorkerUnavailable)
+from specdec.kpolicy import POLICY_NAMES, KPolicy, SessionStats, make_policy
+from specdec.models import Tokenizer
+from specdec.sampling import SamplingConfig
+from specdec.worker_core import MAX_SESSION_ID_LEN
+
+log = logging.getLogger(__name__)
+
+MAX_K = 32
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Server defaults for the adaptive-k policy; a request may override each field."""
+    policy: str = "cost"
+    min_k: int = 0
+    max_k: int = 8
+    fixed_k: int = 4
+    min_draft_prob: float = 0.0
+
+
+@dataclass(frozen=True)
+class SpeculationOverride:
+    policy: str | None = None
+    min_k: int | None = None
+    max_k: int | None = None
+    fixed_k: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+    session_id: str | None = None
+    max_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    speculation: SpeculationOverride = SpeculationOverride()
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    k_per_round: list[int] = field(default_factory=list)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    total_ms: float = 0.0
+    new_tokens: int = 0
+    reprefills: int = 0
+    bytes_to_draft: int = 0
+    bytes_to_target: int = 0
+    seed: int = 0
+    fallback_rounds: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def overhead_ms(self) -> float:
+        return max(0.0, self.total_ms - self.draft_ms - self.verify_ms)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / (self.total_ms / 1000.0) if self.total_ms > 0 else 0.0
+
+
+@dataclass
+class GenerationEvent:
+    """A chunk of output. The last event has finish_reason and stats set."""
+    text_delta: str
+    token_ids: list[int]
+    finish_reason: str | None = None   # "length" | "stop" | "eos" | "context"
+    stats: GenerationStats | None = None
+    session_id: str = ""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_new_tokens: int = 4096
+    max_prompt_chars: int = 1_000_000
+    max_stop_strings: int = 16
+    max_sessions: int = 10_000
+    session_ttl_s: float = 600.0
+
+
+class DraftHealth:
+    """Backoff for a draft worker that failed: rounds fall back to k=0 until the next retry time."""
+
+    def __init__(self, initial_s: float = 0.5, max_s: float = 30.0) -> None:
+        self.initial_s, self.max_s = initial_s, max_s
+        self._backoff = 0.0
+        self._retry_at = 0.0
+        self.failures = 0
+
+    @property
+    def degraded(self) -> bool:
+        return self._backoff > 0
+
+    def usable(self) -> bool:
+        return time.monotonic() >= self._retry_at
+
+    def failed(self) -> None:
+        self.failures += 1
+        self._backoff = min(self.max_s, self._backoff * 2 if self._backoff else self.initial_s)
+        self._retry_at = time.monotonic() + self._backoff
+
+    def succeeded(self) -> None:
+        self._backoff = 0.0
+        self._retry_at = 0.0
+
+
+class Deadline:
+    def __init__(self, timeout_s: float | None) -> None:
+        self.at = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def remaining(self) -> float | None:
+        if self.at is None:
+            return None
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("deadline exceeded while generating")
+        return left
+
+
+class GenerationEngine:
+    def __init__(self, draft: DraftBackend, target: TargetBackend, tokenizer: Tokenizer,
+                 target_info: WorkerDescription, speculation: SpeculationConfig = SpeculationConfig(),
+                 limits: EngineLimits = EngineLimits()) -> None:
+        self.draft = draft
+        self.target = target
+        self.tokenizer = tokenizer
+        self.target_info = target_info
+        self.eos_ids = set(target_info.eos_token_ids)
+        self.speculation = speculation
+        self.limits = limits
+        self.draft_health = DraftHealth()
+        # Global prior: new sessions start from what recent sessions measured on this worker pair.
+        self.prior = SessionStats()
+        self.sessions = OrchestratorSessions(limits.max_sessions, limits.session_ttl_s, self._end_on_workers)
+        self._background: set[asyncio.Task[Any]] = set()
+        make_policy(speculation.policy)  # fail fast on a bad server default
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, params: GenerateParams) -> None:
+        inputs = [x for x in (params.prompt, params.prompt_ids, params.messages) if x is not None]
+        if len(inputs) != 1:
+            raise InvalidRequest("exactly one of prompt, prompt_ids or messages is required")
+        if params.prompt is not None and not params.prompt:
+            raise InvalidRequest("prompt is empty")
+        if params.prompt is not None and len(params.prompt) > self.limits.max_prompt_chars:
+            raise InvalidRequest(f"prompt has {len(params.prompt)} characters; the limit is {self.limits.max_prompt_chars}")
+        if params.prompt_ids is not None:
+            if not params.prompt_ids:
+                raise InvalidRequest("prompt_ids is empty")
+            bad = [t for t in params.prompt_ids if not 0 <= t < self.target_info.vocab_size]
+            if bad:
+                raise InvalidRequest(f"prompt_ids contains {bad[0]}, outside the vocabulary [0, {self.target_info.vocab_size})")
+        if params.messages is not None:
+            if not params.messages:
+                raise InvalidRequest("messages is empty")
+            for role, _ in params.messages:
+                if role not in ("system", "user", "assistant", "tool"):
+                    raise InvalidRequest(f"unknown message role {role!r}")
+        if params.session_id is not None:
+            sid = params.session_id
+            if not sid or len(sid) > MAX_SESSION_ID_LEN or not sid.isprintable():
+                raise InvalidRequest(f"session_id must be 1-{MAX_SESSION_ID_LEN} printable characters")
+        if params.max_new_tokens <= 0:
+            raise InvalidRequest("max_new_tokens must be > 0")
+        if params.max_new_tokens > self.limits.max_new_tokens:
+            raise InvalidRequest(f"max_new_tokens={params.max_new_tokens} is above the limit of {self.limits.max_new_tokens}")
+        if len(params.stop) > self.limits.max_stop_strings:
+            raise InvalidRequest(f"at most {self.limits.max_stop_strings} stop strings")
+        if any(not s for s in params.stop):
+            raise InvalidRequest("stop strings must be non-empty")
+        try:
+            SamplingConfig(params.temperature, params.top_k, params.top_p).validate()
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        self._resolve_policy(params.speculation)
+
+    def _resolve_policy(self, override: SpeculationOverride) -> tuple[KPolicy, int, int]:
+        """Precedence: request fixed_k > request policy > server default; bounds likewise."""
+        spec = self.speculation
+        min_k = spec.min_k if override.min_k is None else override.min_k
+        max_k = spec.max_k if override.max_k is None else override.max_k
+        if override.fixed_k is not None:
+            if not 0 <= override.fixed_k <= MAX_K:
+                raise InvalidRequest(f"fixed_k must be in [0, {MAX_K}]")
+            return make_policy("fixed", override.fixed_k), override.fixed_k, override.fixed_k
+        if not 0 <= min_k <= max_k <= MAX_K:
+            raise InvalidRequest(f"need 0 <= min_k <= max_k <= {MAX_K}, got min_k={min_k} max_k={max_k}")
+        name = override.policy or spec.policy
+        if name not in POLICY_NAMES:
+            raise InvalidRequest(f"unknown k policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+        return make_policy(name, spec.fixed_k), min_k, max_k
+
+    # ------------------------------------------------------------------ sessions
+    def _end_on_workers(self, session: OrchestratorSession) -> None:
+        async def end() -> None:
+            for backend in (self.draft, self.target):
+                try:
+                    await backend.end_session(session.session_id)
+                except SpecdecError as exc:
+                    log.debug("end_session on a worker failed: %s", exc)
+        try:
+            task = asyncio.get_running_loop().create_task(end())
+        except RuntimeError:
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def end_session(self, session_id: str) -> bool:
+        session = self.sessions.remove(session_id)
+        existed = session is not None
+        for backend in (self.draft, self.target):
+            try:
+                existed = await backend.end_session(session_id) or existed
+            except SpecdecError as exc:
+                log.warning("end_session %s: %s", session_id, exc)
+        return existed
+
+    def _new_stats(self) -> SessionStats:
+        return copy.deepcopy(self.prior)
+
+    def _input_tokens(self, session: OrchestratorSession, params: GenerateParams) -> list[int]:
+        """Canonical token list after appending this request's input to the session."""
+        if params.prompt_ids is not None:
+            return session.tokens + list(params.prompt_ids)
+        if params.prompt is not None:
+            return session.tokens + self.tokenizer.encode(params.prompt)
+        assert params.messages is not None
+        history = session.messages + [{"role": r, "content": c} for r, c in params.messages]
+        rendered = self.tokenizer.apply_chat_template(history, add_generation_prompt=True)
+        session.messages = history
+        return rendered
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, params: GenerateParams, timeout_s: float | None = None) -> AsyncIterator[GenerationEvent]:
+        self.validate(params)
+        deadline = Deadline(timeout_s)
+        ephemeral = params.session_id is None
+        session_id = params.session_id or f"tmp-{uuid.uuid4().hex}"
+        session = self.sessions.get_or_create(session_id, ephemeral, self._new_stats)
+        if session.lock.locked():
+            raise SessionBusy(f"session {session_id!r} is busy with another request; retry when it finishes")
+        async with session.lock:
+            try:
+                async for event in self._generate_locked(session, params, deadline):
+                    yield event
+            finally:
+                if ephemeral:
+                    self.sessions.remove(session_id)
+                    self._end_on_workers(session)
+
+    async def _generate_locked(self, session: OrchestratorSession, params: GenerateParams,
+                               deadline: Deadline) -> AsyncIterator[GenerationEvent]:
+        started = time.perf_counter()
+        policy, min_k, max_k = self._resolve_policy(params.speculation)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        sampling = SamplingConfig(params.temperature, params.top_k, params.top_p, seed)
+        saved_messages = list(session.messages)
+        canonical = self._input_tokens(session, params)
+        prompt_len = len(canonical)
+        if prompt_len + params.max_new_tokens > self.target_info.max_context:
+            session.messages = saved_messages
+            raise InvalidRequest(f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                                 f"exceeds the model context of {self.target_info.max_context}")
+        stats = GenerationStats(seed=seed, prompt_tokens=prompt_len)
+        stats.cached_prompt_tokens = session.target_view.commit_for(canonical).cache_len
+        session.tokens = canonical
+        text = TextAssembler(self.tokenizer.decode, params.stop)
+        generated: list[int] = []
+        finish: str | None = None
+        sid = session.session_id
+
+        while finish is None:
+            remaining = params.max_new_tokens - len(generated)
+            # A round yields up to k+1 tokens: never draft past the budget.
+            k = max(0, min(policy.next_k(session.stats, min_k, max_k), remaining - 1))
+            use_draft = k > 0 and self.draft_health.usable()
+            drafts: list[int] = []
+            q_payload = None
+            if k > 0 and not use_draft:
+                stats.fallback_rounds += 1
+            if use_draft:
+                reply = await self._propose(session, canonical, k, sampling, deadline, stats)
+                if reply is None:
+                    stats.fallback_rounds += 1
+                else:
+                    drafts, q_payload = reply.tokens, reply.q_payload
+                    stats.draft_ms += reply.compute_ms
+                    session.stats.timing.observe_draft(len(drafts), reply.compute_ms)
+            verify = await self._verify(session, canonical, drafts, q_payload, sampling, deadline, stats)
+            stats.verify_ms += verify.compute_ms
+            session.stats.timing.observe_verify(len(drafts), verify.compute_ms)
+
+            accepted = verify.accepted_len
+            stats.rounds += 1
+            stats.k_per_round.append(len(drafts))
+            stats.draft_tokens += len(drafts)
+            stats.accepted_tokens += accepted
+            if len(stats.accepted_per_position) < len(drafts):
+                stats.accepted_per_position.extend([0] * (len(drafts) - len(stats.accepted_per_position)))
+            for i in range(accepted):
+                stats.accepted_per_position[i] += 1
+            session.stats.observe_round(len(drafts), accepted)
+            self.prior.observe_round(len(drafts), accepted)
+
+            new_tokens = drafts[:accepted] + [verify.next_token]
+            new_tokens = new_tokens[:remaining]
+            for i, token in enumerate(new_tokens):
+                if token in self.eos_ids:
+                    new_tokens = new_tokens[:i + 1]
+                    finish = "eos"
+                    break
+            delta, keep = text.add(new_tokens)
+            if text.stopped:
+                new_tokens = new_tokens[:keep]
+                finish = "stop"
+            canonical.extend(new_tokens)
+            generated.extend(new_tokens)
+            if finish is None and len(generated) >= params.max_new_tokens:
+                finish = "length"
+            if finish is None and len(canonical) >= self.target_info.max_context:
+                finish = "context"
+            if finish is not None:
+                delta += text.flush()
+                break
+            if delta or new_tokens:
+                yield GenerationEvent(delta, new_tokens, session_id="" if session.ephemeral else sid)
+
+        stats.new_tokens = len(generated)
+        stats.total_ms = (time.perf_counter() - started) * 1000.0
+        self._observe_overhead(session.stats, stats)
+        if session.messages and params.messages is not None:
+            session.messages.append({"role": "assistant", "content": text.emitted})
+        yield GenerationEvent(delta, new_tokens, finish, stats, session_id="" if session.ephemeral else sid)
+
+    def _observe_overhead(self, session_stats: SessionStats, stats: GenerationStats) -> None:
+        if stats.rounds:
+            per_round = stats.overhead_ms / stats.rounds
+            session_stats.timing.observe_rtt(per_round)
+            self.prior.timing = copy.deepcopy(session_stats.timing)
+
+    async def _propose(self, session: OrchestratorSession, canonical: list[int], k: int,
+                       sampling: SamplingConfig, deadline: Deadline, stats: GenerationStats):
+        """Ask the draft for k tokens; None if the draft is unavailable (the round runs target-only)."""
+        view = session.draft_view
+        for attempt in range(2):
+            commit = view.commit_for(canonical)
+            try:
+                reply = await self.draft.propose(session.session_id, commit, k, sampling,
+                                                 self.speculation.min_draft_prob, deadline.remaining())
+            except (SessionNotFound, CacheMismatch) as exc:
+                if attempt:
+                    raise
+                log.info("draft lost session %s (%s): re-prefilling", session.session_id, type(exc).__name__)
+                stats.reprefills += 1
+                view.reset()
+                continue
+            except (WorkerUnavailable, DeadlineExceeded) as exc:
+                deadline.remaining()  # our own deadline passing is the caller's error, not a fallback
+                log.warning("draft worker unavailable (%s); falling back to target-only", exc)
+                self.draft_health.failed()
+                view.reset()
+                return None
+            self.draft_health.succeeded()
+            stats.bytes_to_draft += reply.bytes_sent
+            view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), reply.tokens, reply.cache_len)
+            return reply
+        return None
+
+    async def _verify(self, session: OrchestratorSession, canonical: list[int], drafts: list[int],
+                      q_payload: Any, sampling: SamplingConfig, deadline: Deadline, stats: GenerationStats):
+        view: WorkerView = session.target_view
+        for attempt in range(2):
+            commit = view.commit_for(canonical)
+            try:
+                reply = await self.target.verify(session.session_id, commit, drafts, q_payload, sampling,
+                                                 deadline.remaining())
+            except (SessionNotFound, CacheMismatch) as exc:
+                if attempt:
+                    raise
+                log.info("target lost session %s (%s): re-prefilling", session.session_id, type(exc).__name__)
+                stats.reprefills += 1
+                view.reset()
+                continue
+            except WorkerUnavailable:
+                view.reset()
+                raise
+            stats.bytes_to_target += reply.bytes_sent
+            view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), drafts, reply.cache_len)
+            return reply
+        raise AssertionError("unreachable")
+

@@ -1,0 +1,113 @@
+"""Orchestrator gRPC servicer: protobuf <-> GenerateParams/GenerationEvent, admission, status codes."""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from orchestrator.admission import Admission
+from orchestrator.engine import GenerateParams, GenerationEngine, GenerationEvent, GenerationStats, SpeculationOverride
+from specdec import grpc_util
+from specdec.errors import InvalidRequest
+from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+_FINISH = {
+    "length": orchestrator_pb2.FINISH_REASON_LENGTH,
+    "stop": orchestrator_pb2.FINISH_REASON_STOP,
+    "eos": orchestrator_pb2.FINISH_REASON_EOS,
+    "context": orchestrator_pb2.FINISH_REASON_CONTEXT,
+}
+
+
+def params_from_pb(req: orchestrator_pb2.GenerateRequest) -> GenerateParams:
+    which = req.WhichOneof("input")
+    spec = req.speculation
+    override = SpeculationOverride(
+        policy=spec.policy if spec.HasField("policy") else None,
+        min_k=spec.min_k if spec.HasField("min_k") else None,
+        max_k=spec.max_k if spec.HasField("max_k") else None,
+        fixed_k=spec.fixed_k if spec.HasField("fixed_k") else None)
+    if which is None:
+        raise InvalidRequest("one of prompt, prompt_ids or messages is required")
+    return GenerateParams(
+        prompt=req.prompt if which == "prompt" else None,
+        prompt_ids=tuple(req.prompt_ids.ids) if which == "prompt_ids" else None,
+        messages=tuple((m.role, m.content) for m in req.messages.messages) if which == "messages" else None,
+        session_id=req.session_id if req.HasField("session_id") else None,
+        max_new_tokens=req.max_new_tokens, stop=tuple(req.stop),
+        temperature=req.temperature if req.HasField("temperature") else 0.0,
+        top_k=req.top_k if req.HasField("top_k") else 0,
+        top_p=req.top_p if req.HasField("top_p") else 1.0,
+        seed=req.seed if req.HasField("seed") else None,
+        speculation=override)
+
+
+def stats_to_pb(s: GenerationStats) -> orchestrator_pb2.GenerationStats:
+    return orchestrator_pb2.GenerationStats(
+        rounds=s.rounds, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
+        acceptance_rate=s.acceptance_rate, accepted_per_position=s.accepted_per_position,
+        k_per_round=s.k_per_round, draft_ms=s.draft_ms, verify_ms=s.verify_ms, overhead_ms=s.overhead_ms,
+        total_ms=s.total_ms, tokens_per_second=s.tokens_per_second, new_tokens=s.new_tokens,
+        reprefills=s.reprefills, bytes_to_draft=s.bytes_to_draft, bytes_to_target=s.bytes_to_target,
+        seed=s.seed, fallback_rounds=s.fallback_rounds, prompt_tokens=s.prompt_tokens,
+        cached_prompt_tokens=s.cached_prompt_tokens)
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    def __init__(self, engine: GenerationEngine, admission: Admission) -> None:
+        self.engine = engine
+        self.admission = admission
+
+    async def _events(self, request: orchestrator_pb2.GenerateRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[GenerationEvent]:
+        params = params_from_pb(request)
+        self.engine.validate(params)
+        async with self.admission.slot():
+            async for event in self.engine.generate(params, context.time_remaining()):
+                yield event
+
+    async def Generate(self, request: orchestrator_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> orchestrator_pb2.GenerateResponse:
+        async def run() -> orchestrator_pb2.GenerateResponse:
+            text, ids = [], []
+            final: GenerationEvent | None = None
+            async for event in self._events(request, context):
+                text.append(event.text_delta)
+                ids.extend(event.token_ids)
+                final = event
+            assert final is not None and final.stats is not None
+            return orchestrator_pb2.GenerateResponse(
+                text="".join(text), token_ids=ids, finish_reason=_FINISH[final.finish_reason or "length"],
+                stats=stats_to_pb(final.stats), session_id=final.session_id)
+        return await grpc_util.guarded(context, run)
+
+    async def GenerateStream(self, request: orchestrator_pb2.GenerateRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[orchestrator_pb2.GenerateStreamResponse]:
+        try:
+            async for event in self._events(request, context):
+                msg = orchestrator_pb2.GenerateStreamResponse(text_delta=event.text_delta, token_ids=event.token_ids,
+                                                              session_id=event.session_id)
+                if event.finish_reason is not None:
+                    msg.finish_reason = _FINISH[event.finish_reason]
+                    msg.stats.CopyFrom(stats_to_pb(event.stats or GenerationStats()))
+                yield msg
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            await grpc_util.abort_with(context, exc)
+
+    async def EndSession(self, request: common_pb2.EndSessionRequest,
+                         context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
+        async def run() -> common_pb2.EndSessionResponse:
+            if not request.session_id:
+                raise InvalidRequest("session_id is required")
+            return common_pb2.EndSessionResponse(existed=await self.engine.end_session(request.session_id))
+        return await grpc_util.guarded(context, run)
+
+
+def register(servicer: OrchestratorServicer, server: grpc.aio.Server) -> None:
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server)

@@ -1,0 +1,102 @@
+"""Orchestrator session state: the canonical tokens and what each worker is believed to hold."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdec.kpolicy import SessionStats
+from specdec.tokens import common_prefix_len, prefix_hash
+from specdec.worker_core import Commit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerView:
+    """Tokens the orchestrator believes a worker caches for a session (rebuildable at any time)."""
+    tokens: list[int] = field(default_factory=list)
+
+    def commit_for(self, canonical: list[int]) -> Commit:
+        # Keep at least one canonical token to feed: its logits predict the next token.
+        keep = min(common_prefix_len(self.tokens, canonical), max(0, len(canonical) - 1))
+        return Commit(cache_len=keep, prefix_hash=prefix_hash(canonical[:keep]),
+                      append_tokens=tuple(canonical[keep:]))
+
+    def after_call(self, sent_prefix: list[int], extra: list[int], cache_len: int) -> None:
+        self.tokens = (sent_prefix + extra)[:cache_len]
+
+    def reset(self) -> None:
+        self.tokens = []
+
+
+@dataclass
+class OrchestratorSession:
+    session_id: str
+    ephemeral: bool
+    tokens: list[int] = field(default_factory=list)          # canonical: prompt + generated, all turns
+    messages: list[dict[str, str]] = field(default_factory=list)  # chat history, when chat is used
+    draft_view: WorkerView = field(default_factory=WorkerView)
+    target_view: WorkerView = field(default_factory=WorkerView)
+    stats: SessionStats = field(default_factory=SessionStats)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class SessionBusy(Exception):
+    pass
+
+
+class OrchestratorSessions:
+    """Bounded: at most max_sessions (LRU) and idle TTL; evicted sessions end on the workers too."""
+
+    def __init__(self, max_sessions: int, ttl_s: float,
+                 on_evict: Callable[[OrchestratorSession], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self._on_evict = on_evict
+        self._clock = clock
+        self._sessions: OrderedDict[str, OrchestratorSession] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, session_id: str) -> OrchestratorSession | None:
+        return self._sessions.get(session_id)
+
+    def get_or_create(self, session_id: str, ephemeral: bool,
+                      new_stats: Callable[[], SessionStats]) -> OrchestratorSession:
+        self._expire()
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = OrchestratorSession(session_id, ephemeral, stats=new_stats())
+            self._sessions[session_id] = session
+            self._enforce_limit()
+        session.last_used = self._clock()
+        self._sessions.move_to_end(session_id)
+        return session
+
+    def remove(self, session_id: str) -> OrchestratorSession | None:
+        return self._sessions.pop(session_id, None)
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for sid in [s for s, sess in self._sessions.items()
+                    if now - sess.last_used > self.ttl_s and not sess.lock.locked()]:
+            self._evict(sid)
+
+    def _enforce_limit(self) -> None:
+        for sid in list(self._sessions):
+            if len(self._sessions) <= self.max_sessions:
+                break
+            if not self._sessions[sid].lock.locked():
+                self._evict(sid)
+
+    def _evict(self, session_id: str) -> None:
+        session = self._sessions.pop(session_id)
+        log.info("evicting orchestrator session %s", session_id)
+        self._on_evict(session)

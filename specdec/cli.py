@@ -1,0 +1,67 @@
+"""`specdec` command: serve-draft, serve-target, serve-orchestrator, generate, demo, fetch-models."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+COMMANDS = {
+    "serve-draft": "run the draft worker",
+    "serve-target": "run the target worker",
+    "serve-orchestrator": "run the orchestrator",
+    "generate": "call an orchestrator (streams the output)",
+    "demo": "start all three services locally and stream a generation",
+    "fetch-models": "download and convert the embedded model pair (part of setup)",
+}
+
+
+def generate_main(argv: list[str]) -> None:
+    from specdec.client import build_request, format_stats, stream_generate
+    parser = argparse.ArgumentParser(prog="specdec generate")
+    parser.add_argument("prompt")
+    parser.add_argument("--address", default="127.0.0.1:50051")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    parser.add_argument("--session-id")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument("--policy")
+    parser.add_argument("--fixed-k", type=int)
+    parser.add_argument("--min-k", type=int)
+    parser.add_argument("--max-k", type=int)
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    req = build_request(args.prompt, args.chat, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                        args.seed, args.session_id, args.stop, args.policy, args.fixed_k, args.min_k, args.max_k)
+    stats = asyncio.run(stream_generate(args.address, req, timeout_s=args.timeout_s))
+    print(format_stats(stats), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: specdec COMMAND [options]\n\ncommands:")
+        for name, help_text in COMMANDS.items():
+            print(f"  {name:20s} {help_text}")
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    command, rest = argv[0], argv[1:]
+    if command == "serve-draft":
+        from draft_worker.__main__ import main as run
+    elif command == "serve-target":
+        from target_worker.__main__ import main as run
+    elif command == "serve-orchestrator":
+        from orchestrator.__main__ import main as run
+    elif command == "demo":
+        from specdec.demo import main as run
+    elif command == "fetch-models":
+        from specdec.embedded import main as run
+    else:
+        run = generate_main
+    run(rest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""`specdec demo`: start draft, target and orchestrator locally, stream one generation, print stats."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from specdec.client import build_request, format_stats, stream_generate
+from specdec.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+
+DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
+
+
+class Service:
+    def __init__(self, name: str, argv: list[str], workdir: Path) -> None:
+        self.name = name
+        self.port_file = workdir / f"{name}.port"
+        self.log_path = workdir / f"{name}.log"
+        self._log = open(self.log_path, "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", *argv, "--port", "0", "--port-file", str(self.port_file)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def port(self) -> int | None:
+        return int(self.port_file.read_text()) if self.port_file.exists() else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+def wait_ready(services: list[Service], timeout_s: float) -> None:
+    """Show loading progress until every service has written its port file."""
+    start = time.monotonic()
+    while True:
+        states = []
+        for svc in services:
+            if svc.proc.poll() is not None:
+                tail = svc.log_path.read_text()[-3000:]
+                raise SystemExit(f"\n{svc.name} exited with code {svc.proc.returncode}:\n{tail}")
+            states.append(f"{svc.name}: {'ready :' + str(svc.port) if svc.port else 'loading'}")
+        elapsed = time.monotonic() - start
+        print(f"\r[{elapsed:5.1f}s] " + " | ".join(states) + "   ", end="", flush=True)
+        if all(svc.port for svc in services):
+            print()
+            return
+        if elapsed > timeout_s:
+            raise SystemExit(f"\nservices not ready after {timeout_s:.0f}s; logs in {services[0].log_path.parent}")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def local_services(target: str, draft: str, threads: int, orch_args: list[str],
+                   timeout_s: float = 900.0) -> Iterator[str]:
+    """Start the three services as subprocesses on free ports; yields the orchestrator address."""
+    workdir = Path(tempfile.mkdtemp(prefix="specdec-demo-"))
+    services: list[Service] = []
+    try:
+        thread_args = ["--threads", str(threads)] if threads else []
+        services.append(Service("target", ["target_worker", "--model", target, *thread_args], workdir))
+        services.append(Service("draft", ["draft_worker", "--model", draft, *thread_args], workdir))
+        wait_ready(services, timeout_s)
+        services.append(Service("orchestrator", [
+            "orchestrator", "--draft", f"127.0.0.1:{services[1].port}", "--target", f"127.0.0.1:{services[0].port}",
+            "--tokenizer", target, *orch_args], workdir))
+        wait_ready(services, timeout_s)
+        print(f"logs: {workdir}")
+        yield f"127.0.0.1:{services[2].port}"
+    finally:
+        for svc in reversed(services):
+            svc.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="specdec demo", description=__doc__)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--draft", default=DEFAULT_DRAFT)
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--raw", action="store_true", help="send the prompt as plain text, not a chat message")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--policy", default=None, help="k policy for this request (default: server's)")
+    parser.add_argument("--fixed-k", type=int)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: default)")
+    parser.add_argument("--no-compare", action="store_true", help="skip the target-only (k=0) comparison run")
+    args = parser.parse_args(argv)
+
+    with local_services(args.target, args.draft, args.threads, ["--log-level", "WARNING"]) as address:
+        common = dict(prompt=args.prompt, chat=not args.raw, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, seed=args.seed)
+        print(f"\n=== speculative ({args.policy or 'server default policy'}"
+              f"{'' if args.fixed_k is None else f', k={args.fixed_k}'}) ===")
+        spec = asyncio.run(stream_generate(address, build_request(**common, policy=args.policy, fixed_k=args.fixed_k)))
+        print(format_stats(spec))
+        if not args.no_compare:
+            print("\n=== target only (k=0), same prompt ===")
+            base = asyncio.run(stream_generate(address, build_request(**common, fixed_k=0)))
+            print(format_stats(base))
+            if base.tokens_per_second > 0:
+                print(f"\nspeedup vs target-only: {spec.tokens_per_second / base.tokens_per_second:.2f}x "
+                      f"({spec.tokens_per_second:.2f} vs {base.tokens_per_second:.2f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Domain errors raised by engines (no grpc here); servicers map them to gRPC status codes."""
+from __future__ import annotations
+
+
+class SpecdecError(Exception):
+    """Base class. `code_name` is the gRPC status code name the servicer uses."""
+    code_name = "INTERNAL"
+
+
+class InvalidRequest(SpecdecError):
+    code_name = "INVALID_ARGUMENT"
+
+
+class SessionNotFound(SpecdecError):
+    code_name = "NOT_FOUND"
+
+
+class CacheMismatch(SpecdecError):
+    """The worker's cache does not hold the prefix the caller expects (evicted, restarted, drifted)."""
+    code_name = "FAILED_PRECONDITION"
+
+
+class CapacityExceeded(SpecdecError):
+    code_name = "RESOURCE_EXHAUSTED"
+
+
+class WorkerUnavailable(SpecdecError):
+    code_name = "UNAVAILABLE"
+
+
+class DeadlineExceeded(SpecdecError):
+    code_name = "DEADLINE_EXCEEDED"
+
+
+class SessionBusy(SpecdecError):
+    """Another request is generating on the same session right now."""
+    code_name = "FAILED_PRECONDITION"

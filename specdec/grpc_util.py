@@ -1,0 +1,107 @@
+"""gRPC glue shared by all three services: status mapping, server bootstrap, health, shutdown."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specdec.errors import SpecdecError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def status_code(error: SpecdecError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, error.code_name, grpc.StatusCode.INTERNAL)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Abort the RPC with the status that fits the error; INTERNAL only for bugs."""
+    if isinstance(exc, SpecdecError):
+        await context.abort(status_code(exc), str(exc))
+    log.exception("internal error", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def guarded(context: grpc.aio.ServicerContext, call: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return await call()
+    except (asyncio.CancelledError, grpc.aio.AbortError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - mapped to a status, logged when unexpected
+        await abort_with(context, exc)
+        raise  # unreachable: abort raises
+
+
+class ServerHandle:
+    """A running aio server with health; `stop()` flips health to NOT_SERVING and drains."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer,
+                 services: list[str]) -> None:
+        self.server = server
+        self.port = port
+        self.health = health_servicer
+        self.services = services
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.services]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+
+
+async def start_server(register: Callable[[grpc.aio.Server], None], service_names: list[str],
+                       host: str = "127.0.0.1", port: int = 0,
+                       credentials: grpc.ServerCredentials | None = None,
+                       interceptors: list[Any] | None = None) -> ServerHandle:
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors or [])
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if bound == 0:
+        raise RuntimeError(f"could not bind {address}")
+    await server.start()
+    handle = ServerHandle(server, bound, health_servicer, service_names)
+    await handle.set_serving(True)
+    return handle
+
+
+async def run_until_signalled(handle: ServerHandle, grace_s: float, port_file: str | None = None,
+                              on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT; then NOT_SERVING, drain in-flight calls for grace_s, exit."""
+    if port_file:
+        tmp = Path(port_file + ".tmp")
+        tmp.write_text(str(handle.port))
+        tmp.rename(port_file)  # atomic: readers never see a partial number
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("serving on port %d", handle.port)
+    await stop.wait()
+    log.info("shutting down: draining for up to %.1fs", grace_s)
+    if on_stop:
+        await on_stop()
+    await handle.stop(grace_s)

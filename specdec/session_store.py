@@ -1,0 +1,107 @@
+"""Bounded per-session state: LRU order, idle TTL and a byte budget (pure Python)."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+log = logging.getLogger(__name__)
+
+
+class Sized(Protocol):
+    def nbytes(self) -> int: ...
+
+
+T = TypeVar("T", bound=Sized)
+
+
+@dataclass
+class _Slot(Generic[T]):
+    value: T
+    last_used: float
+    pinned: int = 0  # > 0 while a call is using it: never evicted then
+
+
+class SessionStore(Generic[T]):
+    """LRU store. Evicts idle sessions past `ttl_s`, then least-recently-used ones while over
+    `max_bytes` or `max_sessions`. Sessions in use (pinned) are never evicted."""
+
+    def __init__(self, max_bytes: int, ttl_s: float, max_sessions: int = 100_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self._clock = clock
+        self._slots: OrderedDict[str, _Slot[T]] = OrderedDict()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._slots
+
+    def total_bytes(self) -> int:
+        return sum(slot.value.nbytes() for slot in self._slots.values())
+
+    def get(self, session_id: str) -> T | None:
+        self.expire()
+        slot = self._slots.get(session_id)
+        if slot is None:
+            return None
+        slot.last_used = self._clock()
+        self._slots.move_to_end(session_id)
+        return slot.value
+
+    def put(self, session_id: str, value: T) -> None:
+        self._slots[session_id] = _Slot(value, self._clock())
+        self._slots.move_to_end(session_id)
+
+    def pop(self, session_id: str) -> T | None:
+        slot = self._slots.pop(session_id, None)
+        return slot.value if slot else None
+
+    def pin(self, session_id: str) -> None:
+        self._slots[session_id].pinned += 1
+
+    def unpin(self, session_id: str) -> None:
+        slot = self._slots.get(session_id)
+        if slot is not None:
+            slot.pinned = max(0, slot.pinned - 1)
+            slot.last_used = self._clock()
+
+    def expire(self) -> list[str]:
+        now = self._clock()
+        expired = [sid for sid, slot in self._slots.items()
+                   if not slot.pinned and now - slot.last_used > self.ttl_s]
+        for sid in expired:
+            del self._slots[sid]
+            log.debug("session %s expired (idle > %.0fs)", sid, self.ttl_s)
+        self.evictions += len(expired)
+        return expired
+
+    def enforce_budget(self, extra_bytes: int = 0) -> list[str]:
+        """Evict LRU unpinned sessions until total + extra fits max_bytes and count fits."""
+        evicted: list[str] = []
+        total = self.total_bytes() + extra_bytes
+        for sid in list(self._slots):
+            if total <= self.max_bytes and len(self._slots) <= self.max_sessions:
+                break
+            slot = self._slots[sid]
+            if slot.pinned:
+                continue
+            total -= slot.value.nbytes()
+            del self._slots[sid]
+            evicted.append(sid)
+        if evicted:
+            log.info("evicted %d session(s) to stay within %d bytes / %d sessions",
+                     len(evicted), self.max_bytes, self.max_sessions)
+        self.evictions += len(evicted)
+        return evicted
+
+    def fits(self, extra_bytes: int) -> bool:
+        pinned = sum(s.value.nbytes() for s in self._slots.values() if s.pinned)
+        return pinned + extra_bytes <= self.max_bytes

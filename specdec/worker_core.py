@@ -1,0 +1,199 @@
+"""What draft and target workers share: session KV caches, commit application, validation.
+
+No grpc here: the engines (draft_worker.engine, target_worker.engine) build on WorkerCore and the
+shared servicer plumbing in specdec.worker_server maps protobuf <-> these dataclasses.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdec.errors import CacheMismatch, CapacityExceeded, InvalidRequest, SessionNotFound
+from specdec.models import LoadedModel, cache_nbytes, crop_cache, new_cache
+from specdec.session_store import SessionStore
+from specdec.tokens import prefix_hash
+
+log = logging.getLogger(__name__)
+
+MAX_SESSION_ID_LEN = 256
+
+
+@dataclass(frozen=True)
+class Commit:
+    cache_len: int
+    prefix_hash: int
+    append_tokens: tuple[int, ...]
+
+
+@dataclass
+class WorkerSession:
+    cache: Any
+    tokens: list[int] = field(default_factory=list)
+
+    def nbytes(self) -> int:
+        return cache_nbytes(self.cache)
+
+
+@dataclass
+class CallStats:
+    compute_ms: float = 0.0
+    fed_tokens: int = 0
+    prefilled_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    max_bytes: int = 2 << 30
+    ttl_s: float = 600.0
+    max_sessions: int = 10_000
+
+
+@dataclass
+class WorkerCounters:
+    calls: int = 0
+    fed_tokens: int = 0
+    prefilled_tokens: int = 0
+    session_misses: int = 0
+    cache_mismatches: int = 0
+
+
+def validate_session_id(session_id: str) -> None:
+    if not session_id:
+        raise InvalidRequest("session_id is required")
+    if len(session_id) > MAX_SESSION_ID_LEN or not session_id.isprintable():
+        raise InvalidRequest(f"session_id must be printable and at most {MAX_SESSION_ID_LEN} characters")
+
+
+class WorkerCore:
+    def __init__(self, loaded: LoadedModel, role: str, limits: StoreLimits = StoreLimits()) -> None:
+        self.loaded = loaded
+        self.role = role
+        self.model = loaded.model
+        self.vocab_size = loaded.vocab_size
+        self.max_context = loaded.max_context
+        self.store: SessionStore[WorkerSession] = SessionStore(limits.max_bytes, limits.ttl_s,
+                                                               limits.max_sessions)
+        self.counters = WorkerCounters()
+        self._bytes_per_token = 0  # measured on first forward
+
+    # ------------------------------------------------------------------ validation
+    def check_tokens(self, tokens: Sequence[int], what: str) -> None:
+        for t in tokens:
+            if not 0 <= t < self.vocab_size:
+                raise InvalidRequest(f"{what} contains token id {t} outside the vocabulary [0, {self.vocab_size})")
+
+    # ------------------------------------------------------------------ sessions
+    def end_session(self, session_id: str) -> bool:
+        return self.store.pop(session_id) is not None
+
+    def session_tokens(self, session_id: str) -> list[int] | None:
+        session = self.store.get(session_id)
+        return list(session.tokens) if session else None
+
+    def _checkout(self, session_id: str, commit: Commit) -> WorkerSession:
+        validate_session_id(session_id)
+        if commit.cache_len < 0:
+            raise InvalidRequest("commit.cache_len must be >= 0")
+        session = self.store.get(session_id)
+        if commit.cache_len == 0:
+            if session is None:
+                session = WorkerSession(cache=new_cache(self.model))
+                self.store.put(session_id, session)
+            return session
+        if session is None:
+            self.counters.session_misses += 1
+            raise SessionNotFound(f"session {session_id!r} is not held by this {self.role} worker "
+                                  f"(expired, evicted or restarted); re-send the full prefix with cache_len=0")
+        if len(session.tokens) < commit.cache_len or prefix_hash(session.tokens[:commit.cache_len]) != commit.prefix_hash:
+            self.counters.cache_mismatches += 1
+            raise CacheMismatch(f"session {session_id!r}: cache holds {len(session.tokens)} tokens that do not "
+                                f"match the expected prefix of {commit.cache_len}; re-send with cache_len=0")
+        return session
+
+    # ------------------------------------------------------------------ compute
+    @torch.inference_mode()
+    def feed(self, session: WorkerSession, tokens: Sequence[int]) -> torch.Tensor:
+        """Run tokens through the model on top of the session cache; returns logits [len(tokens), V]."""
+        input_ids = torch.tensor([list(tokens)], dtype=torch.long)
+        out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True)
+        session.tokens.extend(tokens)
+        self.counters.fed_tokens += len(tokens)
+        if not self._bytes_per_token and session.tokens:
+            self._bytes_per_token = max(1, session.nbytes() // len(session.tokens))
+        return out.logits[0].float()
+
+    def truncate(self, session: WorkerSession, length: int) -> None:
+        if length < len(session.tokens):
+            if length == 0:
+                session.cache = new_cache(self.model)
+            else:
+                crop_cache(session.cache, length)
+            del session.tokens[length:]
+
+    def begin(self, session_id: str, commit: Commit, extra_tokens: Sequence[int],
+              stats: CallStats) -> tuple[WorkerSession, torch.Tensor]:
+        """Apply a commit, then feed `extra_tokens` after it in the same forward pass.
+
+        Returns the session and the logits of every fed position. At least one committed token is
+        always fed, because the logits of the last committed token predict the next one.
+        """
+        self.check_tokens(commit.append_tokens, "commit.append_tokens")
+        self.check_tokens(extra_tokens, "tokens")
+        session = self._checkout(session_id, commit)
+        feed_tokens = list(commit.append_tokens)
+        keep = commit.cache_len
+        if not feed_tokens:
+            if keep == 0:
+                raise InvalidRequest("nothing to condition on: commit has cache_len=0 and no append_tokens")
+            keep -= 1
+            feed_tokens = [session.tokens[keep]]
+        total = keep + len(feed_tokens) + len(extra_tokens)
+        if total > self.max_context:
+            raise InvalidRequest(f"sequence of {total} tokens exceeds the model context of {self.max_context}")
+        self._reserve(session_id, total)
+        self.store.pin(session_id)
+        try:
+            self.truncate(session, keep)
+            stats.prefilled_tokens = len(commit.append_tokens)
+            self.counters.prefilled_tokens += stats.prefilled_tokens
+            logits = self.feed(session, feed_tokens + list(extra_tokens))
+        finally:
+            self.store.unpin(session_id)
+        stats.fed_tokens += len(feed_tokens) + len(extra_tokens)
+        return session, logits
+
+    def _reserve(self, session_id: str, total_tokens: int) -> None:
+        """Make room in the byte budget for this session growing to total_tokens (evicting LRU others)."""
+        if not self._bytes_per_token:
+            return
+        current = self.store.get(session_id)
+        current_bytes = current.nbytes() if current else 0
+        needed = total_tokens * self._bytes_per_token - current_bytes
+        self.store.pin(session_id)
+        try:
+            self.store.enforce_budget(extra_bytes=max(0, needed))
+            if not self.store.fits(total_tokens * self._bytes_per_token):
+                raise CapacityExceeded(
+                    f"{self.role} worker KV budget of {self.store.max_bytes} bytes cannot hold "
+                    f"{total_tokens} tokens for session {session_id!r} next to the sessions in use")
+        finally:
+            self.store.unpin(session_id)
+
+    def timed(self) -> "_Timer":
+        self.counters.calls += 1
+        return _Timer()
+
+
+class _Timer:
+    def __enter__(self) -> "_Timer":
+        self.start = time.perf_counter()
+        self.ms = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ms = (time.perf_counter() - self.start) * 1000.0

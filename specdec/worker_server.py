@@ -1,0 +1,90 @@
+"""One worker server for both roles: servicer base (EndSession, GetInfo, error mapping, executor)
+and bootstrap. Role-specific servicers in draft_worker/ and target_worker/ only convert messages."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from specdec import grpc_util
+from specdec.errors import DeadlineExceeded
+from specdec.v1 import common_pb2
+from specdec.worker_core import StoreLimits, WorkerCore, validate_session_id
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WorkerServicerBase:
+    """Runs engine calls on a single model thread (one model, no concurrent forwards) and maps errors."""
+
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{core.role}-model")
+
+    async def run_engine(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
+        async def call() -> T:
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded("deadline expired before the worker started the call")
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        return await grpc_util.guarded(context, call)
+
+    async def EndSession(self, request: common_pb2.EndSessionRequest,
+                         context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
+        def end() -> bool:
+            validate_session_id(request.session_id)
+            return self.core.end_session(request.session_id)
+        return common_pb2.EndSessionResponse(existed=await self.run_engine(context, end))
+
+    async def GetInfo(self, request: common_pb2.GetInfoRequest,
+                      context: grpc.aio.ServicerContext) -> common_pb2.WorkerInfo:
+        loaded = self.core.loaded
+        return common_pb2.WorkerInfo(
+            role=self.core.role, model_ref=loaded.ref, vocab_size=loaded.vocab_size,
+            max_context=loaded.max_context, eos_token_ids=loaded.eos_token_ids,
+            tokenizer_fingerprint=loaded.tokenizer.fingerprint(), sessions=len(self.core.store),
+            cache_bytes=self.core.store.total_bytes(), cache_budget_bytes=self.core.store.max_bytes)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None:
+    parser.add_argument("--model", default=default_model, help="model ref (tiny:..., embedded:..., dir, .gguf)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--port-file", help="write the bound port here once serving")
+    parser.add_argument("--cache-budget-mb", type=float, default=2048.0, help="KV cache byte budget")
+    parser.add_argument("--session-ttl-s", type=float, default=600.0, help="evict sessions idle this long")
+    parser.add_argument("--max-sessions", type=int, default=10_000)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def store_limits(args: argparse.Namespace) -> StoreLimits:
+    return StoreLimits(max_bytes=int(args.cache_budget_mb * 1024 * 1024), ttl_s=args.session_ttl_s,
+                       max_sessions=args.max_sessions)
+
+
+async def serve_worker(args: argparse.Namespace, role: str,
+                       make_servicer: Callable[[WorkerCore], WorkerServicerBase],
+                       register: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
+    from specdec.models import load_model, set_torch_threads
+    set_torch_threads(args.threads)
+    log.info("loading %s model %s", role, args.model)
+    loaded = await asyncio.to_thread(load_model, args.model)
+    core = WorkerCore(loaded, role, store_limits(args))
+    servicer = make_servicer(core)
+    handle = await grpc_util.start_server(lambda server: register(servicer, server), [service_name],
+                                          host=args.host, port=args.port)
+    try:
+        await grpc_util.run_until_signalled(handle, args.grace_s, args.port_file)
+    finally:
+        servicer.close()

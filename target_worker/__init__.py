@@ -1,0 +1,1 @@
+"""Target worker: the large model that verifies drafted tokens losslessly."""

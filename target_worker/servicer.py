@@ -1,0 +1,32 @@
+"""TargetWorker gRPC servicer: protobuf <-> VerifyParams/VerifyResult, nothing else."""
+from __future__ import annotations
+
+import grpc
+
+from specdec.convert import commit_from_pb, dist_from_pb, sampling_from_pb, timing_to_pb
+from specdec.v1 import worker_pb2, worker_pb2_grpc
+from specdec.worker_core import WorkerCore
+from specdec.worker_server import WorkerServicerBase
+from target_worker.engine import TargetEngine, VerifyParams
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
+
+
+class TargetServicer(WorkerServicerBase, worker_pb2_grpc.TargetWorkerServicer):
+    def __init__(self, core: WorkerCore) -> None:
+        super().__init__(core)
+        self.engine = TargetEngine(core)
+
+    async def Verify(self, request: worker_pb2.VerifyRequest,
+                     context: grpc.aio.ServicerContext) -> worker_pb2.VerifyResponse:
+        params = VerifyParams(session_id=request.session_id, commit=commit_from_pb(request.commit),
+                              draft_tokens=tuple(request.draft_tokens),
+                              q=tuple(dist_from_pb(q) for q in request.q),
+                              sampling=sampling_from_pb(request.sampling))
+        result = await self.run_engine(context, lambda: self.engine.verify(params))
+        return worker_pb2.VerifyResponse(accepted_len=result.accepted_len, next_token=result.next_token,
+                                         cache_len=result.cache_len, timing=timing_to_pb(result.stats))
+
+
+def register(servicer: TargetServicer, server: grpc.aio.Server) -> None:
+    worker_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, server)
