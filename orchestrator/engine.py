@@ -108,6 +108,8 @@ class EngineLimits:
     max_stop_strings: int = 16
     max_sessions: int = 10_000
     session_ttl_s: float = 600.0
+    # How long a round keeps retrying an unreachable target (a restart) before UNAVAILABLE.
+    target_retry_s: float = 10.0
 
 
 class DraftHealth:
@@ -317,10 +319,13 @@ class GenerationEngine:
                 else:
                     drafts, q_payload = reply.tokens, reply.q_payload
                     stats.draft_ms += reply.compute_ms
-                    session.stats.timing.observe_draft(len(drafts), reply.compute_ms)
+                    if reply.prefilled_tokens <= 1:  # steady state only; prefill is not per-token cost
+                        session.stats.timing.observe_draft(len(drafts), reply.compute_ms)
             verify = await self._verify(session, canonical, drafts, q_payload, sampling, deadline, stats)
             stats.verify_ms += verify.compute_ms
-            session.stats.timing.observe_verify(len(drafts), verify.compute_ms)
+            if verify.prefilled_tokens <= 1:
+                session.stats.timing.observe_verify(len(drafts), verify.compute_ms)
+            session.stats.timing.observe_rtt(verify.wall_ms - verify.compute_ms)
 
             accepted = verify.accepted_len
             stats.rounds += 1
@@ -365,9 +370,8 @@ class GenerationEngine:
         yield GenerationEvent(delta, new_tokens, finish, stats, session_id="" if session.ephemeral else sid)
 
     def _observe_overhead(self, session_stats: SessionStats, stats: GenerationStats) -> None:
+        # The latest session's timings become the prior of new sessions on this worker pair.
         if stats.rounds:
-            per_round = stats.overhead_ms / stats.rounds
-            session_stats.timing.observe_rtt(per_round)
             self.prior.timing = copy.deepcopy(session_stats.timing)
 
     async def _propose(self, session: OrchestratorSession, canonical: list[int], k: int,
@@ -401,23 +405,32 @@ class GenerationEngine:
     async def _verify(self, session: OrchestratorSession, canonical: list[int], drafts: list[int],
                       q_payload: Any, sampling: SamplingConfig, deadline: Deadline, stats: GenerationStats):
         view: WorkerView = session.target_view
-        for attempt in range(2):
+        retry_until = time.monotonic() + self.limits.target_retry_s
+        backoff = 0.1
+        reprefilled = False
+        while True:
             commit = view.commit_for(canonical)
             try:
                 reply = await self.target.verify(session.session_id, commit, drafts, q_payload, sampling,
                                                  deadline.remaining())
             except (SessionNotFound, CacheMismatch) as exc:
-                if attempt:
+                if reprefilled:
                     raise
                 log.info("target lost session %s (%s): re-prefilling", session.session_id, type(exc).__name__)
                 stats.reprefills += 1
+                reprefilled = True
                 view.reset()
                 continue
-            except WorkerUnavailable:
+            except WorkerUnavailable as exc:
+                # A restarting target comes back empty: retry (briefly) and re-prefill from canonical.
                 view.reset()
-                raise
+                left = deadline.remaining()
+                if time.monotonic() + backoff > retry_until or (left is not None and left <= backoff):
+                    raise WorkerUnavailable(f"target worker unavailable for {self.limits.target_retry_s:.0f}s: {exc}") from exc
+                await asyncio.sleep(backoff)
+                backoff = min(1.0, backoff * 2)
+                continue
             stats.bytes_to_target += reply.bytes_sent
             view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), drafts, reply.cache_len)
             return reply
-        raise AssertionError("unreachable")
 

@@ -32,7 +32,7 @@ def params_from_pb(req: orchestrator_pb2.GenerateRequest) -> GenerateParams:
         max_k=spec.max_k if spec.HasField("max_k") else None,
         fixed_k=spec.fixed_k if spec.HasField("fixed_k") else None)
     if which is None:
-        raise InvalidRequest("one of prompt, prompt_ids or messages is required")
+        raise InvalidRequest("exactly one of prompt, prompt_ids or messages is required")
     return GenerateParams(
         prompt=req.prompt if which == "prompt" else None,
         prompt_ids=tuple(req.prompt_ids.ids) if which == "prompt_ids" else None,

@@ -23,25 +23,54 @@ class Ewma:
 
 
 @dataclass
+class DecayingLine:
+    """Least-squares line y = a + b*x with exponential forgetting; falls back to a prior slope
+    until two distinct x values have been seen."""
+    intercept: float
+    slope: float
+    decay: float = 0.9
+    _w: float = 0.0
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _sxx: float = 0.0
+    _sxy: float = 0.0
+
+    def update(self, x: float, y: float) -> None:
+        d = self.decay
+        self._w = d * self._w + 1.0
+        self._sx = d * self._sx + x
+        self._sy = d * self._sy + y
+        self._sxx = d * self._sxx + x * x
+        self._sxy = d * self._sxy + x * y
+        var = self._w * self._sxx - self._sx ** 2
+        if var > 1e-9 * max(1.0, self._w * self._sxx):
+            self.slope = max(0.0, (self._w * self._sxy - self._sx * self._sy) / var)
+        self.intercept = max(0.0, (self._sy - self.slope * self._sx) / self._w)
+
+    def __call__(self, x: float) -> float:
+        return self.intercept + self.slope * x
+
+
+@dataclass
 class TimingModel:
-    """Measured costs of one round: t_draft per drafted token, t_verify(k) = base + per_token * (k+1), rtt."""
+    """Measured round costs: t_draft per drafted token, t_verify(k) as a line in k, and rtt.
+
+    Only steady-state rounds are observed: a call that prefilled many tokens (a new turn, a
+    re-prefill) says nothing about the per-token cost.
+    """
     draft_ms_per_token: Ewma = field(default_factory=lambda: Ewma(0.2, 20.0))
-    verify_base_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 40.0))
-    verify_ms_per_token: Ewma = field(default_factory=lambda: Ewma(0.2, 2.0))
+    verify_line: DecayingLine = field(default_factory=lambda: DecayingLine(40.0, 2.0))
     rtt_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 1.0))
 
     def verify_ms(self, k: int) -> float:
-        return self.verify_base_ms.value + self.verify_ms_per_token.value * (k + 1)
+        return self.verify_line(k)
 
     def observe_draft(self, k: int, compute_ms: float) -> None:
         if k > 0:
             self.draft_ms_per_token.update(compute_ms / k)
 
     def observe_verify(self, k: int, compute_ms: float) -> None:
-        # Split verify time into a fixed part and a per-position part; a single EWMA on the fixed
-        # part keyed on the current per-token estimate keeps this cheap and stable.
-        per_token = self.verify_ms_per_token.value
-        self.verify_base_ms.update(max(0.0, compute_ms - per_token * (k + 1)))
+        self.verify_line.update(k, compute_ms)
 
     def observe_rtt(self, overhead_ms: float) -> None:
         self.rtt_ms.update(max(0.0, overhead_ms))
@@ -55,13 +84,16 @@ class SessionStats:
     last_k: int = 0
     last_accepted: int = 0
     rounds: int = 0
+    rounds_since_draft: int = 0
 
     def observe_round(self, k: int, accepted: int) -> None:
         """Per-token acceptance from one round: accepted of k (a rejection ends the round)."""
         self.rounds += 1
         self.last_k, self.last_accepted = k, accepted
         if k == 0:
+            self.rounds_since_draft += 1
             return
+        self.rounds_since_draft = 0
         # Under a geometric model, a round with `accepted` successes then (maybe) a failure gives the
         # per-token estimate accepted / (accepted + 1 if rejected else accepted).
         trials = accepted + (1 if accepted < k else 0)
@@ -111,11 +143,19 @@ class CostModelPolicy:
     """Maximise expected tokens per second E(k) / (k*t_draft + t_verify(k) + rtt).
 
     Picks k = 0 (target-only) when no k > 0 beats plain decoding, e.g. when the draft is slow or
-    acceptance is low.
+    acceptance is low. While at k = 0 nothing new is learned about acceptance, so every
+    `probe_every` rounds it drafts one token to refresh the estimate.
     """
+    probe_every: int = 16
     name: str = "cost"
 
     def next_k(self, stats: SessionStats, min_k: int, max_k: int) -> int:
+        best = self._argmax(stats, min_k, max_k)
+        if best == 0 and max_k > 0 and self.probe_every and stats.rounds_since_draft >= self.probe_every:
+            return max(1, min_k)
+        return best
+
+    def _argmax(self, stats: SessionStats, min_k: int, max_k: int) -> int:
         best_k, best_rate = min_k, -1.0
         for k in range(min_k, max_k + 1):
             rate = self.tokens_per_ms(stats, k)

@@ -1,0 +1,29 @@
+"""The CLI entry points as a user runs them: real subprocesses, real ports, SIGTERM on exit."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_demo_runs_three_services_on_tiny_models() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "demo", "--target", "tiny:seed=0", "--draft", "tiny:seed=0,noise=0.01",
+         "--prompt", "hello", "--raw", "--max-new-tokens", "24", "--threads", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    out = result.stdout
+    assert "=== speculative" in out and "=== target only (k=0)" in out
+    assert out.count("tokens: 24 new") == 2
+    assert "speedup vs target-only" in out
+    assert "acceptance" in out
+
+
+def test_cli_help_lists_commands() -> None:
+    result = subprocess.run([sys.executable, "-m", "specdec.cli", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0
+    for command in ("serve-draft", "serve-target", "serve-orchestrator", "generate", "demo"):
+        assert command in result.stdout
