@@ -60,10 +60,14 @@ class TimingModel:
     """
     draft_ms_per_token: Ewma = field(default_factory=lambda: Ewma(0.2, 20.0))
     verify_line: DecayingLine = field(default_factory=lambda: DecayingLine(40.0, 2.0))
+    # Per-k measurements win over the line: on CPUs the cost of a forward over k+1 tokens is often a
+    # step function (GEMM kernels switch at a batch size), which no line captures.
+    verify_by_k: dict[int, Ewma] = field(default_factory=dict)
     rtt_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 1.0))
 
     def verify_ms(self, k: int) -> float:
-        return self.verify_line(k)
+        measured = self.verify_by_k.get(k)
+        return measured.value if measured is not None else self.verify_line(k)
 
     def observe_draft(self, k: int, compute_ms: float) -> None:
         if k > 0:
@@ -71,6 +75,10 @@ class TimingModel:
 
     def observe_verify(self, k: int, compute_ms: float) -> None:
         self.verify_line.update(k, compute_ms)
+        if k in self.verify_by_k:
+            self.verify_by_k[k].update(compute_ms)
+        else:
+            self.verify_by_k[k] = Ewma(0.3, compute_ms, 1)
 
     def observe_rtt(self, overhead_ms: float) -> None:
         self.rtt_ms.update(max(0.0, overhead_ms))

@@ -199,11 +199,35 @@ def load_tokenizer(ref: str) -> Tokenizer:
     return HFTokenizer(tok, sorted(eos))
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def bf16_is_fast() -> bool:
+    """True where the CPU has native bf16 matmuls (AVX512-BF16 / AMX) or a CUDA device is used."""
+    if torch.cuda.is_available():
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_dtype(name: str, role: str) -> torch.dtype:
+    """`auto`: the target stays float32 (its numerics define the output; batched bf16 forwards can
+    flip near-tie argmaxes versus one-token decoding), the draft uses bf16 where it is fast (the
+    draft's numerics only change acceptance, never the output)."""
+    if name == "auto":
+        return torch.bfloat16 if role == "draft" and bf16_is_fast() else torch.float32
+    if name not in DTYPES:
+        raise ModelRefError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
 def load_model(ref: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a model for inference. Weights come from safetensors (or GGUF); never from pickle."""
     if ref.startswith("tiny"):
         spec = TinySpec.parse(ref)
-        model = build_tiny_model(spec)
+        model = build_tiny_model(spec).to(dtype)
         tok = ByteTokenizer(spec.vocab)
         return LoadedModel(ref, model, tok, spec.vocab, spec.max_positions, tok.eos_token_ids)
     from transformers import AutoModelForCausalLM
@@ -212,7 +236,7 @@ def load_model(ref: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     kwargs: dict[str, Any] = {"dtype": dtype, "use_safetensors": None if gguf else True}
     if gguf:
         kwargs["gguf_file"] = gguf
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(dtype).eval()
     tok = load_tokenizer(ref)
     vocab = int(model.get_output_embeddings().weight.shape[0])
     max_ctx = int(getattr(model.config, "max_position_embeddings", 4096))

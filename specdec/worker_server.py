@@ -64,6 +64,8 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--session-ttl-s", type=float, default=600.0, help="evict sessions idle this long")
     parser.add_argument("--max-sessions", type=int, default=10_000)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: target float32, "
+                        "draft bfloat16 where the CPU/GPU has fast bf16)")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     parser.add_argument("--log-level", default="INFO")
 
@@ -76,10 +78,11 @@ def store_limits(args: argparse.Namespace) -> StoreLimits:
 async def serve_worker(args: argparse.Namespace, role: str,
                        make_servicer: Callable[[WorkerCore], WorkerServicerBase],
                        register: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
-    from specdec.models import load_model, set_torch_threads
+    from specdec.models import load_model, resolve_dtype, set_torch_threads
     set_torch_threads(args.threads)
-    log.info("loading %s model %s", role, args.model)
-    loaded = await asyncio.to_thread(load_model, args.model)
+    dtype = resolve_dtype(args.dtype, role)
+    log.info("loading %s model %s (%s)", role, args.model, dtype)
+    loaded = await asyncio.to_thread(load_model, args.model, dtype)
     core = WorkerCore(loaded, role, store_limits(args))
     servicer = make_servicer(core)
     handle = await grpc_util.start_server(lambda server: register(servicer, server), [service_name],

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import torch
 
 from draft_worker.servicer import SERVICE_NAME as DRAFT_SERVICE, DraftServicer, register as register_draft
 from orchestrator.app import OrchestratorConfig, start_orchestrator
@@ -15,18 +16,19 @@ from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc, worker_pb2_grpc
 from specdec.worker_core import StoreLimits, WorkerCore
 from target_worker.servicer import SERVICE_NAME as TARGET_SERVICE, TargetServicer, register as register_target
 
-_MODEL_CACHE: dict[str, Any] = {}
+_MODEL_CACHE: dict[tuple[str, torch.dtype], Any] = {}
 
 
-def cached_model(ref: str):
+def cached_model(ref: str, dtype: torch.dtype = torch.float32):
     """Tiny models are deterministic: build each once per test process."""
-    if ref not in _MODEL_CACHE:
-        _MODEL_CACHE[ref] = load_model(ref)
-    return _MODEL_CACHE[ref]
+    if (ref, dtype) not in _MODEL_CACHE:
+        _MODEL_CACHE[ref, dtype] = load_model(ref, dtype)
+    return _MODEL_CACHE[ref, dtype]
 
 
-async def start_worker(role: str, ref: str, limits: StoreLimits = StoreLimits(), port: int = 0):
-    core = WorkerCore(cached_model(ref), role, limits)
+async def start_worker(role: str, ref: str, limits: StoreLimits = StoreLimits(), port: int = 0,
+                       dtype: torch.dtype = torch.float32):
+    core = WorkerCore(cached_model(ref, dtype), role, limits)
     if role == "draft":
         servicer = DraftServicer(core)
         handle = await grpc_util.start_server(lambda s: register_draft(servicer, s), [DRAFT_SERVICE], port=port)
@@ -85,8 +87,9 @@ def request(prompt_ids: list[int] | None = None, prompt: str | None = None,
 async def start_stack(target_ref: str = "tiny:seed=0", draft_ref: str = "tiny:seed=0",
                       speculation: SpeculationConfig = SpeculationConfig(),
                       worker_limits: StoreLimits = StoreLimits(), engine_limits: EngineLimits = EngineLimits(),
-                      max_concurrent: int = 8, max_queue: int = 32) -> Stack:
-    draft_handle, draft = await start_worker("draft", draft_ref, worker_limits)
+                      max_concurrent: int = 8, max_queue: int = 32,
+                      draft_dtype: torch.dtype = torch.float32) -> Stack:
+    draft_handle, draft = await start_worker("draft", draft_ref, worker_limits, dtype=draft_dtype)
     target_handle, target = await start_worker("target", target_ref, worker_limits)
     cfg = OrchestratorConfig(f"127.0.0.1:{draft_handle.port}", f"127.0.0.1:{target_handle.port}", target_ref,
                              speculation, engine_limits, max_concurrent, max_queue, connect_timeout_s=10.0)

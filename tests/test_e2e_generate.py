@@ -40,6 +40,18 @@ async def test_greedy_is_token_identical_to_target_alone(draft_ref: str, specula
         await stack.close()
 
 
+async def test_bf16_draft_keeps_greedy_output_identical() -> None:
+    """The draft's precision only changes acceptance; the fp32 target decides every token."""
+    stack = await start_stack(draft_ref="tiny:seed=0", draft_dtype=torch.bfloat16)
+    try:
+        for prompt in PROMPTS:
+            reply = await stack.generate(prompt_ids=prompt, max_new_tokens=MAX_NEW, speculation={"fixed_k": 4})
+            assert list(reply.token_ids) == reference_greedy(prompt)
+            assert 0.3 < reply.stats.acceptance_rate <= 1.0
+    finally:
+        await stack.close()
+
+
 async def test_acceptance_reflects_draft_quality(stack, disagreeing_stack) -> None:
     same = await stack.generate(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW, speculation={"fixed_k": 4})
     worse = await disagreeing_stack.generate(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW, speculation={"fixed_k": 4})

@@ -91,3 +91,12 @@ def test_make_policy() -> None:
     assert make_policy("heuristic").name == "heuristic"
     with pytest.raises(ValueError, match="unknown k policy"):
         make_policy("nope")
+
+
+def test_cost_model_learns_a_step_in_verify_cost() -> None:
+    """Verify cost flat up to 3 tokens, doubling from 4 (as fp32 GEMMs on CPU): k=2 wins."""
+    s = stats_with(0.85, draft_ms=100.0, rtt=1.0)
+    for _ in range(3):
+        for k in range(0, 7):
+            s.timing.observe_verify(k, 260.0 if k + 1 <= 3 else 500.0)
+    assert CostModelPolicy().next_k(s, 0, 6) == 2
