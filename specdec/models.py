@@ -223,11 +223,17 @@ def resolve_dtype(name: str, role: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(ref: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_model(ref: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
     """Load a model for inference. Weights come from safetensors (or GGUF); never from pickle."""
     if ref.startswith("tiny"):
         spec = TinySpec.parse(ref)
-        model = build_tiny_model(spec).to(dtype)
+        model = build_tiny_model(spec).to(device=resolve_device(device), dtype=dtype)
         tok = ByteTokenizer(spec.vocab)
         return LoadedModel(ref, model, tok, spec.vocab, spec.max_positions, tok.eos_token_ids)
     from transformers import AutoModelForCausalLM
@@ -236,7 +242,7 @@ def load_model(ref: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     kwargs: dict[str, Any] = {"dtype": dtype, "use_safetensors": None if gguf else True}
     if gguf:
         kwargs["gguf_file"] = gguf
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device=resolve_device(device), dtype=dtype).eval()
     tok = load_tokenizer(ref)
     vocab = int(model.get_output_embeddings().weight.shape[0])
     max_ctx = int(getattr(model.config, "max_position_embeddings", 4096))

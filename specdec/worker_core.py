@@ -74,6 +74,7 @@ class WorkerCore:
         self.loaded = loaded
         self.role = role
         self.model = loaded.model
+        self.device = next(loaded.model.parameters()).device
         self.vocab_size = loaded.vocab_size
         self.max_context = loaded.max_context
         self.store: SessionStore[WorkerSession] = SessionStore(limits.max_bytes, limits.ttl_s,
@@ -119,13 +120,14 @@ class WorkerCore:
     @torch.inference_mode()
     def feed(self, session: WorkerSession, tokens: Sequence[int]) -> torch.Tensor:
         """Run tokens through the model on top of the session cache; returns logits [len(tokens), V]."""
-        input_ids = torch.tensor([list(tokens)], dtype=torch.long)
+        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True)
         session.tokens.extend(tokens)
         self.counters.fed_tokens += len(tokens)
         if not self._bytes_per_token and session.tokens:
             self._bytes_per_token = max(1, session.nbytes() // len(session.tokens))
-        return out.logits[0].float()
+        # Sampling and verification run on the CPU in float32/64: [k+1, V] logits are small.
+        return out.logits[0].float().cpu()
 
     def truncate(self, session: WorkerSession, length: int) -> None:
         if length < len(session.tokens):

@@ -64,6 +64,7 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--session-ttl-s", type=float, default=600.0, help="evict sessions idle this long")
     parser.add_argument("--max-sessions", type=int, default=10_000)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: target float32, "
                         "draft bfloat16 where the CPU/GPU has fast bf16)")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
@@ -82,7 +83,7 @@ async def serve_worker(args: argparse.Namespace, role: str,
     set_torch_threads(args.threads)
     dtype = resolve_dtype(args.dtype, role)
     log.info("loading %s model %s (%s)", role, args.model, dtype)
-    loaded = await asyncio.to_thread(load_model, args.model, dtype)
+    loaded = await asyncio.to_thread(load_model, args.model, dtype, args.device)
     core = WorkerCore(loaded, role, store_limits(args))
     servicer = make_servicer(core)
     handle = await grpc_util.start_server(lambda server: register(servicer, server), [service_name],

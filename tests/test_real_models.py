@@ -1,0 +1,35 @@
+"""Real embedded pair (make setup converts it). Marked slow: `make test-slow`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import embedded
+from specdec.models import load_model
+from tests.stack import _MODEL_CACHE, start_stack
+
+TARGET, DRAFT = embedded.DEFAULT_TARGET, embedded.DEFAULT_DRAFT
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def models_present() -> None:
+    for ref in (TARGET, DRAFT):
+        name = ref.split(":", 1)[1]
+        assert embedded.is_ready(name), f"{ref} is not converted: run `make setup` first"
+
+
+async def test_real_pair_greedy_identical_to_target_alone() -> None:
+    _MODEL_CACHE[DRAFT, torch.bfloat16] = load_model(DRAFT, torch.bfloat16)
+    stack = await start_stack(target_ref=TARGET, draft_ref=DRAFT, draft_dtype=torch.bfloat16)
+    try:
+        tok = _MODEL_CACHE[TARGET, torch.float32].tokenizer
+        prompt = tok.apply_chat_template([{"role": "user", "content": "Write a Python function to reverse a list."}])
+        reply = await stack.generate(prompt_ids=prompt, max_new_tokens=24, speculation={"policy": "cost"},
+                                     timeout=600)
+        model = _MODEL_CACHE[TARGET, torch.float32].model
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+        assert list(reply.token_ids) == want
+        assert reply.stats.acceptance_rate > 0.5
+    finally:
+        await stack.close()
