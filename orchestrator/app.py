@@ -12,6 +12,7 @@ from orchestrator import servicer as orch_servicer
 from orchestrator.admission import Admission
 from orchestrator.clients import GrpcDraftBackend, GrpcTargetBackend
 from orchestrator.engine import EngineLimits, GenerationEngine, SpeculationConfig
+from orchestrator.traces import TraceWriter
 from specdec import grpc_util
 from specdec.errors import WorkerUnavailable
 from specdec.models import load_tokenizer
@@ -32,6 +33,7 @@ class OrchestratorConfig:
     host: str = "127.0.0.1"
     port: int = 0
     connect_timeout_s: float = 120.0
+    trace_file: str | None = None
 
 
 def load_speculation_file(path: str, base: SpeculationConfig) -> SpeculationConfig:
@@ -70,7 +72,8 @@ async def build_engine(cfg: OrchestratorConfig) -> tuple[GenerationEngine, GrpcD
         log.warning("draft vocab %d != target vocab %d (padding rows); ids beyond the tokenizer are never sampled",
                     draft_info.vocab_size, target_info.vocab_size)
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer)
-    engine = GenerationEngine(draft, target, tokenizer, target_info, cfg.speculation, cfg.limits)
+    tracer = TraceWriter(cfg.trace_file) if cfg.trace_file else None
+    engine = GenerationEngine(draft, target, tokenizer, target_info, cfg.speculation, cfg.limits, tracer)
     log.info("draft %s at %s, target %s at %s", draft_info.model_ref, cfg.draft_address,
              target_info.model_ref, cfg.target_address)
     return engine, draft, target
@@ -93,7 +96,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--port-file")
     parser.add_argument("--config", help="TOML file with a [speculation] table (policy, min_k, max_k, ...)")
-    parser.add_argument("--policy", help="default k policy: fixed, heuristic, cost")
+    parser.add_argument("--policy", help="default k policy: fixed, heuristic, cost, bandit")
     parser.add_argument("--min-k", type=int)
     parser.add_argument("--max-k", type=int)
     parser.add_argument("--fixed-k", type=int)
@@ -105,6 +108,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sessions", type=int, default=10_000)
     parser.add_argument("--session-ttl-s", type=float, default=600.0)
     parser.add_argument("--grace-s", type=float, default=10.0)
+    parser.add_argument("--trace-file", help="append one JSON line per round here (for `specdec tune`)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -118,7 +122,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
     limits = EngineLimits(max_new_tokens=args.max_new_tokens_limit, max_sessions=args.max_sessions,
                           session_ttl_s=args.session_ttl_s)
     return OrchestratorConfig(args.draft, args.target, args.tokenizer, spec, limits, args.max_concurrent,
-                              args.max_queue, args.rate_per_s, args.host, args.port)
+                              args.max_queue, args.rate_per_s, args.host, args.port, trace_file=args.trace_file)
 
 
 async def serve(args: argparse.Namespace) -> None:

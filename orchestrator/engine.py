@@ -14,9 +14,10 @@ from typing import Any
 from orchestrator.backends import DraftBackend, TargetBackend, WorkerDescription
 from orchestrator.sessions import OrchestratorSession, OrchestratorSessions, WorkerView
 from orchestrator.text import TextAssembler
+from orchestrator.traces import RoundTrace, TraceWriter
 from specdec.errors import (CacheMismatch, DeadlineExceeded, InvalidRequest, SessionBusy,
                             SessionNotFound, SpecdecError, WorkerUnavailable)
-from specdec.kpolicy import POLICY_NAMES, KPolicy, SessionStats, make_policy
+from specdec.kpolicy import POLICY_NAMES, KPolicy, PolicyParams, SessionStats, make_policy
 from specdec.models import Tokenizer
 from specdec.sampling import SamplingConfig
 from specdec.worker_core import MAX_SESSION_ID_LEN
@@ -28,12 +29,24 @@ MAX_K = 32
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    """Server defaults for the adaptive-k policy; a request may override each field."""
+    """Server defaults for the adaptive-k policy (a TOML [speculation] table); a request may
+    override policy, k bounds, fixed k and min_draft_prob."""
     policy: str = "cost"
     min_k: int = 0
     max_k: int = 8
     fixed_k: int = 4
+    # Within-round early stop: the draft stops when its probability of its own token is below this.
     min_draft_prob: float = 0.0
+    heuristic_initial_k: int = 4
+    probe_every: int = 16
+    bandit_exploration: float = 0.3
+    bandit_prior_weight: float = 2.0
+
+    def policy_params(self, fixed_k: int | None = None) -> PolicyParams:
+        return PolicyParams(fixed_k=self.fixed_k if fixed_k is None else fixed_k,
+                            heuristic_initial_k=self.heuristic_initial_k, probe_every=self.probe_every,
+                            bandit_exploration=self.bandit_exploration,
+                            bandit_prior_weight=self.bandit_prior_weight)
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,7 @@ class SpeculationOverride:
     min_k: int | None = None
     max_k: int | None = None
     fixed_k: int | None = None
+    min_draft_prob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -154,8 +168,9 @@ class Deadline:
 class GenerationEngine:
     def __init__(self, draft: DraftBackend, target: TargetBackend, tokenizer: Tokenizer,
                  target_info: WorkerDescription, speculation: SpeculationConfig = SpeculationConfig(),
-                 limits: EngineLimits = EngineLimits()) -> None:
+                 limits: EngineLimits = EngineLimits(), tracer: "TraceWriter | None" = None) -> None:
         self.draft = draft
+        self.tracer = tracer
         self.target = target
         self.tokenizer = tokenizer
         self.target_info = target_info
@@ -167,7 +182,7 @@ class GenerationEngine:
         self.prior = SessionStats()
         self.sessions = OrchestratorSessions(limits.max_sessions, limits.session_ttl_s, self._end_on_workers)
         self._background: set[asyncio.Task[Any]] = set()
-        make_policy(speculation.policy)  # fail fast on a bad server default
+        make_policy(speculation.policy, speculation.policy_params())  # fail fast on a bad server default
 
     # ------------------------------------------------------------------ validation
     def validate(self, params: GenerateParams) -> None:
@@ -213,16 +228,18 @@ class GenerationEngine:
         spec = self.speculation
         min_k = spec.min_k if override.min_k is None else override.min_k
         max_k = spec.max_k if override.max_k is None else override.max_k
+        if override.min_draft_prob is not None and not 0.0 <= override.min_draft_prob <= 1.0:
+            raise InvalidRequest("min_draft_prob must be in [0, 1]")
         if override.fixed_k is not None:
             if not 0 <= override.fixed_k <= MAX_K:
                 raise InvalidRequest(f"fixed_k must be in [0, {MAX_K}]")
-            return make_policy("fixed", override.fixed_k), override.fixed_k, override.fixed_k
+            return make_policy("fixed", spec.policy_params(override.fixed_k)), override.fixed_k, override.fixed_k
         if not 0 <= min_k <= max_k <= MAX_K:
             raise InvalidRequest(f"need 0 <= min_k <= max_k <= {MAX_K}, got min_k={min_k} max_k={max_k}")
         name = override.policy or spec.policy
         if name not in POLICY_NAMES:
             raise InvalidRequest(f"unknown k policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
-        return make_policy(name, spec.fixed_k), min_k, max_k
+        return make_policy(name, spec.policy_params()), min_k, max_k
 
     # ------------------------------------------------------------------ sessions
     def _end_on_workers(self, session: OrchestratorSession) -> None:
@@ -303,29 +320,40 @@ class GenerationEngine:
         finish: str | None = None
         sid = session.session_id
 
+        min_draft_prob = (self.speculation.min_draft_prob if params.speculation.min_draft_prob is None
+                          else params.speculation.min_draft_prob)
+        policy_name = policy.name
         while finish is None:
+            round_start = time.perf_counter()
+            position = len(canonical)
             remaining = params.max_new_tokens - len(generated)
             # A round yields up to k+1 tokens: never draft past the budget.
             k = max(0, min(policy.next_k(session.stats, min_k, max_k), remaining - 1))
             use_draft = k > 0 and self.draft_health.usable()
             drafts: list[int] = []
+            draft_probs: list[float] = []
             q_payload = None
-            if k > 0 and not use_draft:
-                stats.fallback_rounds += 1
+            draft_ms = 0.0
+            draft_prefilled = 0
+            fallback = k > 0 and not use_draft
             if use_draft:
-                reply = await self._propose(session, canonical, k, sampling, deadline, stats)
+                reply = await self._propose(session, canonical, k, sampling, min_draft_prob, deadline, stats)
                 if reply is None:
-                    stats.fallback_rounds += 1
+                    fallback = True
                 else:
-                    drafts, q_payload = reply.tokens, reply.q_payload
+                    drafts, q_payload, draft_probs = reply.tokens, reply.q_payload, reply.token_probs
+                    draft_ms, draft_prefilled = reply.compute_ms, reply.prefilled_tokens
                     stats.draft_ms += reply.compute_ms
                     if reply.prefilled_tokens <= 1:  # steady state only; prefill is not per-token cost
                         session.stats.timing.observe_draft(len(drafts), reply.compute_ms)
+            stats.fallback_rounds += int(fallback)
             verify = await self._verify(session, canonical, drafts, q_payload, sampling, deadline, stats)
             stats.verify_ms += verify.compute_ms
+            steady = verify.prefilled_tokens <= 1 and draft_prefilled <= 1
             if verify.prefilled_tokens <= 1:
                 session.stats.timing.observe_verify(len(drafts), verify.compute_ms)
             session.stats.timing.observe_rtt(verify.wall_ms - verify.compute_ms)
+            round_ms = (time.perf_counter() - round_start) * 1000.0
 
             accepted = verify.accepted_len
             stats.rounds += 1
@@ -336,8 +364,16 @@ class GenerationEngine:
                 stats.accepted_per_position.extend([0] * (len(drafts) - len(stats.accepted_per_position)))
             for i in range(accepted):
                 stats.accepted_per_position[i] += 1
-            session.stats.observe_round(len(drafts), accepted)
-            self.prior.observe_round(len(drafts), accepted)
+            # Rounds that prefilled a prompt say nothing about a k's steady-state speed.
+            session.stats.observe_round(len(drafts), accepted, round_ms if steady else None)
+            self.prior.observe_round(len(drafts), accepted, round_ms if steady else None)
+            if self.tracer is not None:
+                self.tracer.write(RoundTrace(
+                    session=sid, round=stats.rounds, position=position, policy=policy_name, k=k,
+                    drafted=len(drafts), accepted=accepted, draft_probs=[round(p, 5) for p in draft_probs],
+                    draft_ms=round(draft_ms, 3), verify_ms=round(verify.compute_ms, 3), round_ms=round(round_ms, 3),
+                    draft_prefilled=draft_prefilled, target_prefilled=verify.prefilled_tokens,
+                    greedy=sampling.greedy, fallback=fallback))
 
             new_tokens = drafts[:accepted] + [verify.next_token]
             new_tokens = new_tokens[:remaining]
@@ -375,14 +411,15 @@ class GenerationEngine:
             self.prior.timing = copy.deepcopy(session_stats.timing)
 
     async def _propose(self, session: OrchestratorSession, canonical: list[int], k: int,
-                       sampling: SamplingConfig, deadline: Deadline, stats: GenerationStats):
+                       sampling: SamplingConfig, min_draft_prob: float, deadline: Deadline,
+                       stats: GenerationStats):
         """Ask the draft for k tokens; None if the draft is unavailable (the round runs target-only)."""
         view = session.draft_view
         for attempt in range(2):
             commit = view.commit_for(canonical)
             try:
                 reply = await self.draft.propose(session.session_id, commit, k, sampling,
-                                                 self.speculation.min_draft_prob, deadline.remaining())
+                                                 min_draft_prob, deadline.remaining())
             except (SessionNotFound, CacheMismatch) as exc:
                 if attempt:
                     raise

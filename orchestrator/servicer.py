@@ -30,7 +30,8 @@ def params_from_pb(req: orchestrator_pb2.GenerateRequest) -> GenerateParams:
         policy=spec.policy if spec.HasField("policy") else None,
         min_k=spec.min_k if spec.HasField("min_k") else None,
         max_k=spec.max_k if spec.HasField("max_k") else None,
-        fixed_k=spec.fixed_k if spec.HasField("fixed_k") else None)
+        fixed_k=spec.fixed_k if spec.HasField("fixed_k") else None,
+        min_draft_prob=spec.min_draft_prob if spec.HasField("min_draft_prob") else None)
     if which is None:
         raise InvalidRequest("exactly one of prompt, prompt_ids or messages is required")
     return GenerateParams(

@@ -93,11 +93,18 @@ class SessionStats:
     last_accepted: int = 0
     rounds: int = 0
     rounds_since_draft: int = 0
+    # Bandit arms: k -> [rounds, mean tokens per ms]
+    arms: dict[int, list[float]] = field(default_factory=dict)
 
-    def observe_round(self, k: int, accepted: int) -> None:
+    def observe_round(self, k: int, accepted: int, round_ms: float | None = None) -> None:
         """Per-token acceptance from one round: accepted of k (a rejection ends the round)."""
         self.rounds += 1
         self.last_k, self.last_accepted = k, accepted
+        if round_ms is not None and round_ms > 0:
+            arm = self.arms.setdefault(k, [0.0, 0.0])
+            arm[0] += 1
+            # Windowed mean (cap the count) so the estimate follows slow drift.
+            arm[1] += ((accepted + 1) / round_ms - arm[1]) / min(arm[0], 50.0)
         if k == 0:
             self.rounds_since_draft += 1
             return
@@ -180,20 +187,61 @@ class CostModelPolicy:
         return expected_tokens(stats.acceptance.value, k) / max(cost, 1e-6)
 
 
+@dataclass
+class BanditPolicy:
+    """UCB over k whose arm values start at the cost model's prediction.
+
+    The cost model assumes geometric acceptance (each position accepted independently with a).
+    Real acceptance is bursty (easy stretches, hard stretches, position effects), so the bandit
+    measures tokens per ms for each k it plays and moves away from the model where it is wrong.
+    `prior_weight` is how many rounds the model's prediction counts as; `exploration` scales the
+    UCB bonus relative to the best predicted rate.
+    """
+    exploration: float = 0.3
+    prior_weight: float = 2.0
+    name: str = "bandit"
+
+    def next_k(self, stats: SessionStats, min_k: int, max_k: int) -> int:
+        arms = range(min_k, max_k + 1)
+        prior = {k: CostModelPolicy.tokens_per_ms(stats, k) for k in arms}
+        scale = max(prior.values()) or 1e-9
+        total = sum(stats.arms.get(k, [0, 0])[0] for k in arms) + self.prior_weight * len(arms)
+        best_k, best_score = min_k, -math.inf
+        for k in arms:
+            n, mean = stats.arms.get(k, [0.0, 0.0])
+            value = (self.prior_weight * prior[k] + n * mean) / (self.prior_weight + n)
+            bonus = self.exploration * scale * math.sqrt(math.log(total) / (self.prior_weight + n))
+            if value + bonus > best_score:
+                best_k, best_score = k, value + bonus
+        return best_k
+
+
 def _clamp(k: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, k))
 
 
-POLICY_NAMES = ("fixed", "heuristic", "cost")
+@dataclass(frozen=True)
+class PolicyParams:
+    """Tunable parameters of every policy (flat, so a TOML [speculation] table can carry them)."""
+    fixed_k: int = 4
+    heuristic_initial_k: int = 4
+    probe_every: int = 16
+    bandit_exploration: float = 0.3
+    bandit_prior_weight: float = 2.0
 
 
-def make_policy(name: str, fixed_k: int = 4) -> KPolicy:
+POLICY_NAMES = ("fixed", "heuristic", "cost", "bandit")
+
+
+def make_policy(name: str, params: PolicyParams = PolicyParams()) -> KPolicy:
     if name == "fixed":
-        return FixedPolicy(k=fixed_k)
+        return FixedPolicy(k=params.fixed_k)
     if name == "heuristic":
-        return HeuristicPolicy()
+        return HeuristicPolicy(initial_k=params.heuristic_initial_k)
     if name == "cost":
-        return CostModelPolicy()
+        return CostModelPolicy(probe_every=params.probe_every)
+    if name == "bandit":
+        return BanditPolicy(exploration=params.bandit_exploration, prior_weight=params.bandit_prior_weight)
     raise ValueError(f"unknown k policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 

@@ -42,16 +42,18 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
-    __slots__ = ("policy", "min_k", "max_k", "fixed_k")
+    __slots__ = ("policy", "min_k", "max_k", "fixed_k", "min_draft_prob")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MIN_K_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     FIXED_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_DRAFT_PROB_FIELD_NUMBER: _ClassVar[int]
     policy: str
     min_k: int
     max_k: int
     fixed_k: int
-    def __init__(self, policy: _Optional[str] = ..., min_k: _Optional[int] = ..., max_k: _Optional[int] = ..., fixed_k: _Optional[int] = ...) -> None: ...
+    min_draft_prob: float
+    def __init__(self, policy: _Optional[str] = ..., min_k: _Optional[int] = ..., max_k: _Optional[int] = ..., fixed_k: _Optional[int] = ..., min_draft_prob: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_ids", "messages", "session_id", "max_new_tokens", "stop", "temperature", "top_k", "top_p", "seed", "speculation")

@@ -1,0 +1,66 @@
+"""Per-round traces (opt-in JSONL) for offline policy tuning: one JSON object per round."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundTrace:
+    session: str
+    round: int
+    position: int            # canonical length when the round started
+    policy: str
+    k: int                   # k the policy asked for
+    drafted: int             # tokens the draft actually proposed (early stop, fallback)
+    accepted: int            # leading drafted tokens the target accepted
+    draft_probs: list[float]  # draft confidence per drafted position
+    draft_ms: float
+    verify_ms: float
+    round_ms: float          # wall time of the whole round (both RPCs + orchestrator)
+    draft_prefilled: int
+    target_prefilled: int
+    greedy: bool
+    fallback: bool
+    ts: float = field(default_factory=time.time)
+
+    @property
+    def pattern(self) -> list[int]:
+        """Acceptance per drafted position as observed: 1s, then a 0 at the first rejection."""
+        return [1] * self.accepted + ([0] if self.accepted < self.drafted else [])
+
+
+class TraceWriter:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)
+        self._lock = threading.Lock()
+        log.info("recording round traces to %s", self.path)
+
+    def write(self, trace: RoundTrace) -> None:
+        line = json.dumps(asdict(trace), separators=(",", ":"))
+        with self._lock:
+            self._file.write(line + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def load_traces(path: str | Path) -> list[RoundTrace]:
+    traces = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                traces.append(RoundTrace(**json.loads(line)))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{path}:{n}: not a round trace: {exc}") from exc
+    return traces
