@@ -11,6 +11,7 @@ COMMANDS = {
     "serve-orchestrator": "run the orchestrator",
     "generate": "call an orchestrator (streams the output)",
     "demo": "start all three services locally and stream a generation",
+    "tune": "replay round traces through every k policy and write the best config",
     "fetch-models": "download and convert the embedded model pair (part of setup)",
 }
 
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         from orchestrator.__main__ import main as run
     elif command == "demo":
         from specdec.demo import main as run
+    elif command == "tune":
+        from specdec.tune import main as run
     elif command == "fetch-models":
         from specdec.embedded import main as run
     else:

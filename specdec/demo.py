@@ -15,6 +15,8 @@ from pathlib import Path
 from specdec.client import build_request, format_stats, stream_generate
 from specdec.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PAIR_CONFIG = ROOT / "configs" / "embedded-pair-cpu.toml"
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 
 
@@ -97,9 +99,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fixed-k", type=int)
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: default)")
     parser.add_argument("--no-compare", action="store_true", help="skip the target-only (k=0) comparison run")
+    parser.add_argument("--config", help="orchestrator [speculation] TOML (default for the embedded pair: "
+                        "configs/embedded-pair-cpu.toml)")
     args = parser.parse_args(argv)
 
-    with local_services(args.target, args.draft, args.threads, ["--log-level", "WARNING"]) as address:
+    config = args.config
+    if config is None and (args.target, args.draft) == (DEFAULT_TARGET, DEFAULT_DRAFT) and DEFAULT_PAIR_CONFIG.exists():
+        config = str(DEFAULT_PAIR_CONFIG)
+    orch_args = ["--log-level", "WARNING"] + (["--config", config] if config else [])
+    if config:
+        print(f"speculation config: {config}")
+    with local_services(args.target, args.draft, args.threads, orch_args) as address:
         common = dict(prompt=args.prompt, chat=not args.raw, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, seed=args.seed)
         print(f"\n=== speculative ({args.policy or 'server default policy'}"

@@ -88,11 +88,12 @@ async def start_stack(target_ref: str = "tiny:seed=0", draft_ref: str = "tiny:se
                       speculation: SpeculationConfig = SpeculationConfig(),
                       worker_limits: StoreLimits = StoreLimits(), engine_limits: EngineLimits = EngineLimits(),
                       max_concurrent: int = 8, max_queue: int = 32,
-                      draft_dtype: torch.dtype = torch.float32) -> Stack:
+                      draft_dtype: torch.dtype = torch.float32, trace_file: str | None = None) -> Stack:
     draft_handle, draft = await start_worker("draft", draft_ref, worker_limits, dtype=draft_dtype)
     target_handle, target = await start_worker("target", target_ref, worker_limits)
     cfg = OrchestratorConfig(f"127.0.0.1:{draft_handle.port}", f"127.0.0.1:{target_handle.port}", target_ref,
-                             speculation, engine_limits, max_concurrent, max_queue, connect_timeout_s=10.0)
+                             speculation, engine_limits, max_concurrent, max_queue, connect_timeout_s=10.0,
+                             trace_file=trace_file)
     orch_handle, orch, backends = await start_orchestrator(cfg)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{orch_handle.port}")
     return Stack(draft_handle, draft, target_handle, target, orch_handle, orch, backends, channel,

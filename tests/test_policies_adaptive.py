@@ -1,0 +1,132 @@
+"""Bandit convergence, override precedence, trace replay and the tune command."""
+from __future__ import annotations
+
+import collections
+import io
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from orchestrator.app import load_speculation_file
+from orchestrator.backends import WorkerDescription
+from orchestrator.engine import GenerationEngine, SpeculationConfig, SpeculationOverride
+from orchestrator.traces import RoundTrace, load_traces
+from specdec import simulator
+from specdec.errors import InvalidRequest
+from specdec.kpolicy import BanditPolicy, CostModelPolicy, KPolicy, SessionStats
+from specdec.models import ByteTokenizer
+from tests.stack import start_stack
+
+
+def run_environment(policy: KPolicy, rounds: int, accept_run: int = 2, draft_ms: float = 10.0,
+                    verify_ms: float = 50.0) -> list[int]:
+    """Non-geometric acceptance: the first `accept_run` draft positions always pass, the next never."""
+    stats = SessionStats()
+    chosen = []
+    for _ in range(rounds):
+        k = policy.next_k(stats, 0, 8)
+        accepted = min(k, accept_run)
+        round_ms = draft_ms * k + verify_ms + 1.0
+        if k:
+            stats.timing.observe_draft(k, draft_ms * k)
+        stats.timing.observe_verify(k, verify_ms)
+        stats.timing.observe_rtt(0.5)
+        stats.observe_round(k, accepted, round_ms)
+        chosen.append(k)
+    return chosen
+
+
+def test_bandit_converges_to_best_arm_where_the_cost_model_is_wrong() -> None:
+    # True tokens/ms: k=2 gives 3 tokens in 71 ms (best); k>=3 still 3 tokens but slower.
+    bandit = run_environment(BanditPolicy(exploration=0.3), 1500)
+    late = collections.Counter(bandit[-500:])
+    assert late.most_common(1)[0][0] == 2
+    assert late[2] > 400
+    cost = collections.Counter(run_environment(CostModelPolicy(), 1500)[-500:])
+    assert cost.most_common(1)[0][0] != 2  # geometric assumption misleads the cost model here
+
+
+def test_bandit_plays_target_only_when_draft_is_useless() -> None:
+    late = collections.Counter(run_environment(BanditPolicy(), 1000, accept_run=0, draft_ms=30.0)[-300:])
+    assert late.most_common(1)[0][0] == 0
+
+
+def engine_with(spec: SpeculationConfig) -> GenerationEngine:
+    info = WorkerDescription("target", "tiny", 260, 4096, [257])
+    return GenerationEngine(draft=None, target=None, tokenizer=ByteTokenizer(), target_info=info,  # type: ignore[arg-type]
+                            speculation=spec)
+
+
+def test_override_precedence() -> None:
+    engine = engine_with(SpeculationConfig(policy="heuristic", min_k=1, max_k=5, fixed_k=3))
+    policy, lo, hi = engine._resolve_policy(SpeculationOverride())
+    assert (policy.name, lo, hi) == ("heuristic", 1, 5)                       # server default
+    policy, lo, hi = engine._resolve_policy(SpeculationOverride(policy="bandit", max_k=7))
+    assert (policy.name, lo, hi) == ("bandit", 1, 7)                          # request policy and bound
+    policy, lo, hi = engine._resolve_policy(SpeculationOverride(policy="cost", fixed_k=2))
+    assert (policy.name, lo, hi) == ("fixed", 2, 2)                           # fixed_k beats everything
+    with pytest.raises(InvalidRequest):
+        engine._resolve_policy(SpeculationOverride(min_k=6))                   # 6 > server max_k 5
+
+
+def trace(session: str, rnd: int, drafted: int, accepted: int, verify_ms: float = 50.0) -> RoundTrace:
+    return RoundTrace(session=session, round=rnd, position=0, policy="fixed", k=drafted, drafted=drafted,
+                      accepted=accepted, draft_probs=[0.9] * accepted + [0.2] * (drafted - accepted),
+                      draft_ms=10.0 * drafted, verify_ms=verify_ms, round_ms=10.0 * drafted + verify_ms + 2.0,
+                      draft_prefilled=1, target_prefilled=1, greedy=True, fallback=False)
+
+
+def test_replaying_the_recorded_policy_reproduces_the_recording() -> None:
+    # As the engine does, a final round never drafts past the token budget (here: it ends all-accepted).
+    recorded = [trace("a", 1, 4, 4), trace("a", 2, 4, 1), trace("a", 3, 4, 0), trace("a", 4, 4, 4),
+                trace("b", 1, 4, 2), trace("b", 2, 4, 4)]
+    data = simulator.build(recorded)
+    assert data.episodes[0].match == [1, 1, 1, 1, None, 1, 0, 0, 1, 1, 1, 1, None]
+    world = simulator.impute(data, __import__("random").Random(0))
+    from specdec.kpolicy import FixedPolicy
+    result = simulator.simulate(world, data.timing, lambda: FixedPolicy(4), 4, 4, 0.0)
+    assert result.rounds == len(recorded)
+    assert result.accepted == sum(t.accepted for t in recorded)
+    assert result.tokens == sum(t.accepted + 1 for t in recorded)
+    assert result.time_ms == pytest.approx(sum(t.round_ms for t in recorded))
+    # Early stop at p_min=0.5 drops the low-confidence (rejected) drafts: same tokens, less time.
+    stopped = simulator.simulate(world, data.timing, lambda: FixedPolicy(4), 4, 4, 0.5)
+    assert stopped.tokens == result.tokens and stopped.time_ms < result.time_ms
+
+
+async def test_tune_on_recorded_traces_writes_a_config_the_orchestrator_accepts(tmp_path: Path) -> None:
+    trace_file = tmp_path / "traces.jsonl"
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02", trace_file=str(trace_file))
+    try:
+        for prompt in ([1, 2, 3], [50, 60, 70, 80], [100, 101]):
+            await stack.generate(prompt_ids=prompt, max_new_tokens=40, speculation={"fixed_k": 6})
+    finally:
+        await stack.close()
+    traces = load_traces(trace_file)
+    assert len(traces) >= 10 and all(t.k <= 6 for t in traces)
+    assert any(t.accepted < t.drafted for t in traces) and any(t.accepted == t.drafted for t in traces)
+    from specdec import tune
+    out_cfg = tmp_path / "best.toml"
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        tune.main([str(trace_file), "--out", str(out_cfg), "--replicas", "2", "--p-min", "0", "0.3", "--max-k", "6"])
+    table = buffer.getvalue()
+    for name in ("fixed(k=0)", "heuristic(", "cost(", "bandit("):
+        assert name in table
+    assert "1.00x" in table  # the k=0 baseline row
+    spec = load_speculation_file(str(out_cfg), SpeculationConfig())
+    assert spec.policy in ("fixed", "heuristic", "cost", "bandit")
+    served = await start_stack(draft_ref="tiny:seed=0,noise=0.02", speculation=spec)
+    try:
+        reply = await served.generate(prompt_ids=[1, 2, 3], max_new_tokens=20)
+        assert reply.stats.new_tokens == 20
+    finally:
+        await served.close()
+
+
+def test_config_file_rejects_unknown_keys(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[speculation]\npolicy = 'cost'\nfrobnicate = 3\n")
+    with pytest.raises(ValueError, match="frobnicate"):
+        load_speculation_file(str(bad), SpeculationConfig())
