@@ -14,10 +14,13 @@ from orchestrator.clients import GrpcDraftBackend, GrpcTargetBackend
 from orchestrator.engine import EngineLimits, GenerationEngine, SpeculationConfig
 from orchestrator.traces import TraceWriter
 from specdec import grpc_util
-from specdec.errors import WorkerUnavailable
+from specdec.errors import DeadlineExceeded, WorkerUnavailable
 from specdec.models import load_tokenizer
 
 log = logging.getLogger(__name__)
+
+# grpc.health.v1 service name reporting the draft worker as seen by this orchestrator.
+DRAFT_HEALTH_NAME = "specdec.v1.Orchestrator/draft"
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ async def wait_for_worker(backend: Any, timeout_s: float):
     while True:
         try:
             return await backend.describe(timeout_s=5.0)
-        except WorkerUnavailable:
+        except (WorkerUnavailable, DeadlineExceeded):
             if asyncio.get_running_loop().time() > deadline:
                 raise
             await asyncio.sleep(0.5)
@@ -84,6 +87,12 @@ async def start_orchestrator(cfg: OrchestratorConfig):
     servicer = orch_servicer.OrchestratorServicer(engine, Admission(cfg.max_concurrent, cfg.max_queue, cfg.rate_per_s))
     handle = await grpc_util.start_server(lambda s: orch_servicer.register(servicer, s),
                                           [orch_servicer.SERVICE_NAME], host=cfg.host, port=cfg.port)
+
+    # Health entry for the draft dependency: NOT_SERVING while generation falls back to target-only.
+    async def report_draft(degraded: bool) -> None:
+        await handle.set_status(DRAFT_HEALTH_NAME, not degraded)
+    engine.on_draft_health = report_draft
+    await report_draft(False)
     return handle, servicer, (draft, target)
 
 
@@ -107,7 +116,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-per-s", type=float, default=0.0, help="admission rate limit (0: off)")
     parser.add_argument("--max-sessions", type=int, default=10_000)
     parser.add_argument("--session-ttl-s", type=float, default=600.0)
-    parser.add_argument("--grace-s", type=float, default=10.0)
+    parser.add_argument("--grace-s", type=float, default=10.0, help="drain time for in-flight requests on SIGTERM")
+    parser.add_argument("--drain-delay-s", type=float, default=0.0,
+                        help="on SIGTERM, report NOT_SERVING this long before refusing new requests")
     parser.add_argument("--trace-file", help="append one JSON line per round here (for `specdec tune`)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -128,7 +139,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
 async def serve(args: argparse.Namespace) -> None:
     handle, _, backends = await start_orchestrator(config_from_args(args))
     try:
-        await grpc_util.run_until_signalled(handle, args.grace_s, args.port_file)
+        await grpc_util.run_until_signalled(handle, args.grace_s, args.port_file, drain_delay_s=args.drain_delay_s)
     finally:
         for backend in backends:
             await backend.close()

@@ -7,7 +7,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +15,7 @@ from orchestrator.backends import DraftBackend, TargetBackend, WorkerDescription
 from orchestrator.sessions import OrchestratorSession, OrchestratorSessions, WorkerView
 from orchestrator.text import TextAssembler
 from orchestrator.traces import RoundTrace, TraceWriter
-from specdec.errors import (CacheMismatch, DeadlineExceeded, InvalidRequest, SessionBusy,
+from specdec.errors import (CacheMismatch, CapacityExceeded, DeadlineExceeded, InvalidRequest, SessionBusy,
                             SessionNotFound, SpecdecError, WorkerUnavailable)
 from specdec.kpolicy import POLICY_NAMES, KPolicy, PolicyParams, SessionStats, make_policy
 from specdec.models import Tokenizer
@@ -124,6 +124,8 @@ class EngineLimits:
     session_ttl_s: float = 600.0
     # How long a round keeps retrying an unreachable target (a restart) before UNAVAILABLE.
     target_retry_s: float = 10.0
+    # A draft call slower than this is abandoned and the round runs target-only.
+    draft_timeout_s: float = 10.0
 
 
 class DraftHealth:
@@ -178,6 +180,8 @@ class GenerationEngine:
         self.speculation = speculation
         self.limits = limits
         self.draft_health = DraftHealth()
+        # Called with True when the draft becomes unusable and False when it recovers.
+        self.on_draft_health: Callable[[bool], Awaitable[None]] | None = None
         # Global prior: new sessions start from what recent sessions measured on this worker pair.
         self.prior = SessionStats()
         self.sessions = OrchestratorSessions(limits.max_sessions, limits.session_ttl_s, self._end_on_workers)
@@ -417,9 +421,10 @@ class GenerationEngine:
         view = session.draft_view
         for attempt in range(2):
             commit = view.commit_for(canonical)
+            left = deadline.remaining()
+            timeout = self.limits.draft_timeout_s if left is None else min(left, self.limits.draft_timeout_s)
             try:
-                reply = await self.draft.propose(session.session_id, commit, k, sampling,
-                                                 min_draft_prob, deadline.remaining())
+                reply = await self.draft.propose(session.session_id, commit, k, sampling, min_draft_prob, timeout)
             except (SessionNotFound, CacheMismatch) as exc:
                 if attempt:
                     raise
@@ -430,14 +435,31 @@ class GenerationEngine:
             except (WorkerUnavailable, DeadlineExceeded) as exc:
                 deadline.remaining()  # our own deadline passing is the caller's error, not a fallback
                 log.warning("draft worker unavailable (%s); falling back to target-only", exc)
+                was_degraded = self.draft_health.degraded
                 self.draft_health.failed()
                 view.reset()
+                if not was_degraded:
+                    await self._report_draft_health(True)
                 return None
+            except CapacityExceeded as exc:
+                # The draft cannot hold this session (KV budget): speculation is optional, carry on.
+                log.warning("draft worker over capacity (%s); this round runs target-only", exc)
+                view.reset()
+                return None
+            if self.draft_health.degraded:
+                await self._report_draft_health(False)
             self.draft_health.succeeded()
             stats.bytes_to_draft += reply.bytes_sent
             view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), reply.tokens, reply.cache_len)
             return reply
         return None
+
+    async def _report_draft_health(self, degraded: bool) -> None:
+        if self.on_draft_health is not None:
+            try:
+                await self.on_draft_health(degraded)
+            except Exception:  # noqa: BLE001 - health reporting must never fail a request
+                log.exception("reporting draft health failed")
 
     async def _verify(self, session: OrchestratorSession, canonical: list[int], drafts: list[int],
                       q_payload: Any, sampling: SamplingConfig, deadline: Deadline, stats: GenerationStats):

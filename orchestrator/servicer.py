@@ -111,4 +111,4 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
 
 def register(servicer: OrchestratorServicer, server: grpc.aio.Server) -> None:
-    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server)
+    grpc_util.add_service(server, orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"], servicer)

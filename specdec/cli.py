@@ -11,6 +11,7 @@ COMMANDS = {
     "serve-orchestrator": "run the orchestrator",
     "generate": "call an orchestrator (streams the output)",
     "demo": "start all three services locally and stream a generation",
+    "loadtest": "bounded load test against an orchestrator (checks every greedy output)",
     "tune": "replay round traces through every k policy and write the best config",
     "fetch-models": "download and convert the embedded model pair (part of setup)",
 }
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         from orchestrator.__main__ import main as run
     elif command == "demo":
         from specdec.demo import main as run
+    elif command == "loadtest":
+        from specdec.loadtest import main as run
     elif command == "tune":
         from specdec.tune import main as run
     elif command == "fetch-models":

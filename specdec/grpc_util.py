@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf import message as pb_message
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -24,6 +27,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Reconnect to a restarted worker within seconds, not gRPC's default of up to 2 minutes.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 3000),
 ]
 
 
@@ -49,6 +56,50 @@ async def guarded(context: grpc.aio.ServicerContext, call: Callable[[], Awaitabl
         raise  # unreachable: abort raises
 
 
+class MalformedRequest:
+    """What the deserializer returns for bytes that are not a valid message (e.g. invalid UTF-8 in a
+    string field). The handler answers INVALID_ARGUMENT instead of gRPC's default INTERNAL."""
+
+    def __init__(self, type_name: str) -> None:
+        self.message = (f"request is not a valid {type_name} (malformed bytes or invalid UTF-8 in a "
+                        "string field)")
+
+
+def _safe_deserializer(cls: Any) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except pb_message.DecodeError:
+            return MalformedRequest(cls.DESCRIPTOR.full_name)
+    return deserialize
+
+
+def add_service(server: grpc.aio.Server, service: ServiceDescriptor, servicer: Any) -> None:
+    """Register a servicer for a service descriptor (unary and server-streaming methods) with
+    deserializers that turn malformed requests into INVALID_ARGUMENT."""
+    handlers = {}
+    for method in service.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        impl = getattr(servicer, method.name)
+        kwargs = dict(request_deserializer=_safe_deserializer(request_cls),
+                      response_serializer=response_cls.SerializeToString)
+        if method.server_streaming:
+            async def stream(request: Any, context: grpc.aio.ServicerContext, impl: Any = impl) -> Any:
+                if isinstance(request, MalformedRequest):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                async for item in impl(request, context):
+                    yield item
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(stream, **kwargs)
+        else:
+            async def unary(request: Any, context: grpc.aio.ServicerContext, impl: Any = impl) -> Any:
+                if isinstance(request, MalformedRequest):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                return await impl(request, context)
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
 class ServerHandle:
     """A running aio server with health; `stop()` flips health to NOT_SERVING and drains."""
 
@@ -64,8 +115,16 @@ class ServerHandle:
         for name in ["", *self.services]:
             await self.health.set(name, status)
 
-    async def stop(self, grace_s: float = 5.0) -> None:
+    async def set_status(self, name: str, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(name, status)
+
+    async def stop(self, grace_s: float = 5.0, drain_delay_s: float = 0.0) -> None:
+        """NOT_SERVING first (load balancers and readiness probes move traffic away during
+        drain_delay_s), then stop accepting RPCs and let in-flight ones finish within grace_s."""
         await self.set_serving(False)
+        if drain_delay_s > 0:
+            await asyncio.sleep(drain_delay_s)
         await self.server.stop(grace_s)
 
 
@@ -89,7 +148,8 @@ async def start_server(register: Callable[[grpc.aio.Server], None], service_name
 
 
 async def run_until_signalled(handle: ServerHandle, grace_s: float, port_file: str | None = None,
-                              on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+                              on_stop: Callable[[], Awaitable[None]] | None = None,
+                              drain_delay_s: float = 0.0) -> None:
     """Serve until SIGTERM/SIGINT; then NOT_SERVING, drain in-flight calls for grace_s, exit."""
     if port_file:
         tmp = Path(port_file + ".tmp")
@@ -101,7 +161,8 @@ async def run_until_signalled(handle: ServerHandle, grace_s: float, port_file: s
         loop.add_signal_handler(sig, stop.set)
     log.info("serving on port %d", handle.port)
     await stop.wait()
-    log.info("shutting down: draining for up to %.1fs", grace_s)
+    log.info("shutting down: NOT_SERVING, draining in-flight calls for up to %.1fs", grace_s)
     if on_stop:
         await on_stop()
-    await handle.stop(grace_s)
+    await handle.stop(grace_s, drain_delay_s)
+    log.info("stopped")

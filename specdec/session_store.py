@@ -102,6 +102,7 @@ class SessionStore(Generic[T]):
         self.evictions += len(evicted)
         return evicted
 
-    def fits(self, extra_bytes: int) -> bool:
-        pinned = sum(s.value.nbytes() for s in self._slots.values() if s.pinned)
+    def fits(self, extra_bytes: int, exclude: str | None = None) -> bool:
+        """Would extra_bytes fit next to the sessions that cannot be evicted (other than `exclude`)?"""
+        pinned = sum(s.value.nbytes() for sid, s in self._slots.items() if s.pinned and sid != exclude)
         return pinned + extra_bytes <= self.max_bytes

@@ -179,7 +179,7 @@ class WorkerCore:
         self.store.pin(session_id)
         try:
             self.store.enforce_budget(extra_bytes=max(0, needed))
-            if not self.store.fits(total_tokens * self._bytes_per_token):
+            if not self.store.fits(total_tokens * self._bytes_per_token, exclude=session_id):
                 raise CapacityExceeded(
                     f"{self.role} worker KV budget of {self.store.max_bytes} bytes cannot hold "
                     f"{total_tokens} tokens for session {session_id!r} next to the sessions in use")

@@ -68,6 +68,8 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: target float32, "
                         "draft bfloat16 where the CPU/GPU has fast bf16)")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
+    parser.add_argument("--drain-delay-s", type=float, default=0.0,
+                        help="on SIGTERM, report NOT_SERVING this long before refusing new calls")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -89,6 +91,6 @@ async def serve_worker(args: argparse.Namespace, role: str,
     handle = await grpc_util.start_server(lambda server: register(servicer, server), [service_name],
                                           host=args.host, port=args.port)
     try:
-        await grpc_util.run_until_signalled(handle, args.grace_s, args.port_file)
+        await grpc_util.run_until_signalled(handle, args.grace_s, args.port_file, drain_delay_s=args.drain_delay_s)
     finally:
         servicer.close()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import grpc
 
+from specdec import grpc_util
+
 from specdec.convert import commit_from_pb, dist_from_pb, sampling_from_pb, timing_to_pb
 from specdec.v1 import worker_pb2, worker_pb2_grpc
 from specdec.worker_core import WorkerCore
@@ -29,4 +31,4 @@ class TargetServicer(WorkerServicerBase, worker_pb2_grpc.TargetWorkerServicer):
 
 
 def register(servicer: TargetServicer, server: grpc.aio.Server) -> None:
-    worker_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, server)
+    grpc_util.add_service(server, worker_pb2.DESCRIPTOR.services_by_name["TargetWorker"], servicer)

@@ -39,6 +39,7 @@ def test_pinned_sessions_are_not_evicted() -> None:
     store.pin("a")
     assert store.enforce_budget() == ["b"]
     assert not store.fits(20)  # a (pinned, 40) + 20 > 50
+    assert store.fits(50, exclude="a")  # a growing to 50 bytes itself fits
     store.unpin("a")
 
 

@@ -1,0 +1,306 @@
+"""Faults, deadlines, cancellation, bounded memory, admission, bad input, load, graceful shutdown.
+
+Every server is a real gRPC server on 127.0.0.1; crashes and SIGTERM use real processes."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrator.app import DRAFT_HEALTH_NAME, OrchestratorConfig, start_orchestrator
+from orchestrator.backends import DraftReply, VerifyReply, WorkerDescription
+from orchestrator.engine import EngineLimits, GenerateParams, GenerationEngine, SpeculationOverride
+from specdec.loadtest import run_load
+from specdec.models import ByteTokenizer
+from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, worker_pb2
+from specdec.worker_core import StoreLimits
+from tests.procs import aspawn, aspawn_worker, stop
+from tests.stack import request, start_stack, start_worker, target_stub
+from tests.test_e2e_generate import reference_greedy
+
+PROMPT = [11, 22, 33, 44, 55]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def health_of(channel: grpc.aio.Channel, service: str = "") -> int:
+    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return reply.status
+
+
+async def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+# ----------------------------------------------------------------------------- 1. draft killed
+
+async def test_draft_process_killed_mid_stream_falls_back_and_recovers(tmp_path) -> None:
+    draft_proc, draft_port = await aspawn_worker("draft", "tiny:seed=0,noise=0.01", tmp_path)
+    target_handle, target = await start_worker("target", "tiny:seed=0")
+    cfg = OrchestratorConfig(f"127.0.0.1:{draft_port}", f"127.0.0.1:{target_handle.port}", "tiny:seed=0",
+                             limits=EngineLimits(draft_timeout_s=2.0), connect_timeout_s=30)
+    orch_handle, orch, backends = await start_orchestrator(cfg)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{orch_handle.port}")
+    stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+    procs = [draft_proc]
+    try:
+        want = reference_greedy(PROMPT, 400)
+        ids, last, killed = [], None, False
+        async for chunk in stub.GenerateStream(request(prompt_ids=PROMPT, max_new_tokens=400,
+                                                       speculation={"fixed_k": 3}), timeout=120):
+            ids.extend(chunk.token_ids)
+            last = chunk
+            if not killed and len(ids) >= 20:
+                draft_proc.kill()  # SIGKILL: no goodbye
+                draft_proc.wait(10)
+                killed = True
+        assert killed and ids == want  # completed, no error, identical to target-only greedy
+        assert last.stats.fallback_rounds > 0 and last.stats.draft_tokens > 0
+        assert await health_of(channel, DRAFT_HEALTH_NAME) == NOT_SERVING   # degraded ...
+        assert await health_of(channel) == SERVING                           # ... but serving
+        # Restart the draft on the same port: the orchestrator retries with backoff and speculates again.
+        procs.append((await aspawn_worker("draft", "tiny:seed=0,noise=0.01", tmp_path, port=draft_port))[0])
+        for _ in range(100):
+            reply = await stub.Generate(request(prompt_ids=PROMPT, max_new_tokens=20, speculation={"fixed_k": 3}),
+                                        timeout=30)
+            assert list(reply.token_ids) == want[:20]
+            if reply.stats.fallback_rounds == 0 and reply.stats.draft_tokens > 0:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            pytest.fail("the orchestrator never went back to the restarted draft worker")
+        assert await health_of(channel, DRAFT_HEALTH_NAME) == SERVING
+    finally:
+        for proc in procs:
+            stop(proc)
+        await channel.close()
+        for backend in backends:
+            await backend.close()
+        await orch_handle.stop(0)
+        await target_handle.stop(0)
+        target.close()
+
+
+# ----------------------------------------------------------------------------- 2. target down
+
+async def test_target_that_stays_down_gives_unavailable_quickly() -> None:
+    stack = await start_stack(engine_limits=EngineLimits(target_retry_s=1.0))
+    try:
+        await stack.target_handle.stop(0)
+        start = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stack.generate(prompt_ids=PROMPT, max_new_tokens=10, timeout=20)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "target worker unavailable" in err.value.details()
+        assert time.monotonic() - start < 8
+    finally:
+        await stack.close()
+
+
+# ----------------------------------------------------------------------------- 3. deadlines, cancellation
+
+class _FakeDraft:
+    def __init__(self) -> None:
+        self.timeouts: list[float | None] = []
+
+    async def propose(self, session_id, commit, k, sampling, min_draft_prob, timeout_s):
+        self.timeouts.append(timeout_s)
+        return DraftReply([7] * k, [0.9] * k, commit.cache_len + len(commit.append_tokens) + k - 1, 1.0, 0)
+
+    async def end_session(self, session_id):
+        return True
+
+
+class _FakeTarget:
+    def __init__(self) -> None:
+        self.timeouts: list[float | None] = []
+
+    async def verify(self, session_id, commit, draft_tokens, q_payload, sampling, timeout_s):
+        self.timeouts.append(timeout_s)
+        await asyncio.sleep(0.01)
+        return VerifyReply(len(draft_tokens), 7, commit.cache_len + len(commit.append_tokens) + len(draft_tokens), 1.0, 0)
+
+    async def end_session(self, session_id):
+        return True
+
+
+async def test_client_deadline_propagates_to_worker_calls() -> None:
+    draft, target = _FakeDraft(), _FakeTarget()
+    engine = GenerationEngine(draft, target, ByteTokenizer(), WorkerDescription("target", "fake", 260, 4096, [257]),
+                              limits=EngineLimits(draft_timeout_s=3.0))
+    params = GenerateParams(prompt_ids=(1, 2, 3), max_new_tokens=40, speculation=SpeculationOverride(fixed_k=3))
+    async for _ in engine.generate(params, timeout_s=5.0):
+        pass
+    assert target.timeouts and all(t is not None and 0 < t <= 5.0 for t in target.timeouts)
+    assert target.timeouts == sorted(target.timeouts, reverse=True)  # what is left of one deadline
+    assert draft.timeouts and all(t is not None and t <= 3.0 for t in draft.timeouts)
+
+
+async def test_deadline_and_cancellation_leak_nothing(stack) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.generate(prompt_ids=PROMPT, max_new_tokens=3000, timeout=0.3, speculation={"fixed_k": 0})
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for session_id in (None, "kept"):
+        fields = dict(prompt_ids=PROMPT, max_new_tokens=3000, speculation={"fixed_k": 2})
+        if session_id:
+            fields["session_id"] = session_id
+        call = stack.stub.GenerateStream(request(**fields), timeout=60)
+        seen = 0
+        async for chunk in call:
+            seen += len(chunk.token_ids)
+            if seen >= 10:
+                break
+        call.cancel()
+    engine = stack.orch.engine
+    await wait_until(lambda: stack.orch.admission.running == 0 and not engine._background
+                     and set(stack.target.core.store._slots) <= {"kept"}
+                     and set(stack.draft.core.store._slots) <= {"kept"}
+                     and len(engine.sessions) == 1)
+    # The cancelled persistent session is unlocked and usable; ending it frees everything.
+    reply = await stack.generate(prompt_ids=[1], max_new_tokens=4, session_id="kept")
+    assert reply.stats.new_tokens == 4
+    await stack.stub.EndSession(common_pb2.EndSessionRequest(session_id="kept"))
+    assert len(engine.sessions) == 0 and len(stack.target.core.store) == 0 and len(stack.draft.core.store) == 0
+    tasks = [t for t in asyncio.all_tasks() if "generate" in repr(t.get_coro())]
+    assert not tasks
+
+
+# ----------------------------------------------------------------------------- 4. bounded memory
+
+async def test_kv_budget_evicts_lru_and_rebuilds_correctly() -> None:
+    # Tiny model: 512 bytes of KV per token; 48 KiB holds ~96 tokens, i.e. about two sessions.
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02",
+                              worker_limits=StoreLimits(max_bytes=48 * 1024, ttl_s=600))
+    try:
+        first_turns = {}
+        for n in range(8):
+            reply = await stack.generate(prompt_ids=[n + 1] * 10, max_new_tokens=30, session_id=f"s{n}",
+                                         speculation={"fixed_k": 3})
+            first_turns[n] = list(reply.token_ids)
+            assert stack.target.core.store.total_bytes() <= 48 * 1024
+        assert stack.target.core.store.evictions >= 5 and len(stack.target.core.store) <= 3
+        # Session 0 was evicted long ago: its next turn is re-prefilled and still exact.
+        second = await stack.generate(prompt_ids=[99, 98], max_new_tokens=20, session_id="s0", speculation={"fixed_k": 3})
+        assert second.stats.reprefills >= 1
+        fresh = await stack.generate(prompt_ids=[1] * 10 + first_turns[0] + [99, 98], max_new_tokens=20,
+                                     speculation={"fixed_k": 3})
+        assert list(second.token_ids) == list(fresh.token_ids)
+        # One request that can never fit the budget: RESOURCE_EXHAUSTED, not an OOM.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stack.generate(prompt_ids=[5] * 150, max_new_tokens=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "budget" in err.value.details()
+    finally:
+        await stack.close()
+
+
+async def test_orchestrator_session_state_is_bounded() -> None:
+    stack = await start_stack(engine_limits=EngineLimits(max_sessions=3))
+    try:
+        for n in range(10):
+            await stack.generate(prompt_ids=[n + 1], max_new_tokens=4, session_id=f"o{n}")
+            assert len(stack.orch.engine.sessions) <= 3
+        # Evicted orchestrator sessions are ended on the workers too.
+        await wait_until(lambda: len(stack.target.core.store) <= 3)
+    finally:
+        await stack.close()
+
+
+# ----------------------------------------------------------------------------- 5. admission
+
+async def test_over_capacity_gets_resource_exhausted() -> None:
+    stack = await start_stack(max_concurrent=1, max_queue=1)
+    try:
+        calls = [stack.generate(prompt_ids=PROMPT, max_new_tokens=400, speculation={"fixed_k": 0}) for _ in range(5)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        rejected = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        served = [r for r in results if not isinstance(r, Exception)]
+        assert len(served) == 2 and len(rejected) == 3  # one running + one queued
+        assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in rejected)
+        assert "server busy" in rejected[0].details()
+        assert stack.orch.admission.running == 0 and stack.orch.admission.waiting == 0
+    finally:
+        await stack.close()
+
+
+# ----------------------------------------------------------------------------- 6. bad input
+
+async def test_bad_bytes_and_oversized_messages(stack) -> None:
+    raw = stack.channel.unary_unary("/specdec.v1.Orchestrator/Generate", request_serializer=lambda b: b,
+                                    response_deserializer=lambda b: b)
+    good = request(prompt="x", max_new_tokens=2, stop=["ab"]).SerializeToString()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await raw(good.replace(b"ab", b"\xff\xfe"), timeout=10)  # invalid UTF-8 in a stop string
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "invalid UTF-8" in err.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await raw(b"\x0a\xff\xff\xff\xff\x0f", timeout=10)  # truncated garbage
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.generate(prompt="y" * (17 * 1024 * 1024), max_new_tokens=2)  # over the 16 MiB limit
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.generate(prompt="x", max_new_tokens=2, session_id="bad\nid")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    ended = await stack.stub.EndSession(common_pb2.EndSessionRequest(session_id="never-existed"))
+    assert ended.existed is False
+    target = target_stub(stack)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await target.Verify(worker_pb2.VerifyRequest(session_id="\x00", commit=common_pb2.CacheCommit(append_tokens=[1])))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Still healthy and correct.
+    assert await health_of(stack.channel) == SERVING
+    ok = await stack.generate(prompt_ids=PROMPT, max_new_tokens=8)
+    assert list(ok.token_ids) == reference_greedy(PROMPT, 8)
+
+
+# ----------------------------------------------------------------------------- 7. load
+
+async def test_bounded_load_all_outputs_correct() -> None:
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02", max_concurrent=64, max_queue=64)
+    try:
+        report = await run_load(stack.address, concurrency=32, requests=64, max_new_tokens=16, time_limit_s=120)
+        summary = report.summary()
+        assert summary["errors"] == {} and report.mismatches == 0 and report.ok == 64, summary
+        assert 0 < summary["p50_ms"] <= summary["p99_ms"]
+        print("load:", summary)
+    finally:
+        await stack.close()
+
+
+# ----------------------------------------------------------------------------- 8. graceful shutdown
+
+async def test_sigterm_drains_in_flight_requests(tmp_path) -> None:
+    draft_handle, draft = await start_worker("draft", "tiny:seed=0")
+    target_handle, target = await start_worker("target", "tiny:seed=0")
+    proc, port = await aspawn("orchestrator", ["--draft", f"127.0.0.1:{draft_handle.port}", "--target",
+                                        f"127.0.0.1:{target_handle.port}", "--tokenizer", "tiny:seed=0",
+                                        "--port", "0", "--drain-delay-s", "1.0", "--grace-s", "30"], tmp_path)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+    try:
+        want = reference_greedy(PROMPT, 2000)
+        ids, last, signalled = [], None, False
+        async for chunk in stub.GenerateStream(request(prompt_ids=PROMPT, max_new_tokens=2000,
+                                                       speculation={"fixed_k": 0}), timeout=120):
+            ids.extend(chunk.token_ids)
+            last = chunk
+            if not signalled and ids:
+                proc.send_signal(signal.SIGTERM)
+                signalled = True
+                await asyncio.sleep(0.3)
+                assert await health_of(channel) == NOT_SERVING
+        assert ids == want and last.finish_reason == orchestrator_pb2.FINISH_REASON_LENGTH
+        assert await asyncio.to_thread(proc.wait, 30) == 0  # drained, then exited on its own
+    finally:
+        stop(proc)
+        await channel.close()
+        for handle, servicer in ((draft_handle, draft), (target_handle, target)):
+            await handle.stop(0)
+            servicer.close()
