@@ -87,6 +87,8 @@ class GenerationStats:
     reprefills: int = 0
     bytes_to_draft: int = 0
     bytes_to_target: int = 0
+    bytes_from_draft: int = 0
+    bytes_from_target: int = 0
     seed: int = 0
     fallback_rounds: int = 0
     prompt_tokens: int = 0
@@ -450,6 +452,7 @@ class GenerationEngine:
                 await self._report_draft_health(False)
             self.draft_health.succeeded()
             stats.bytes_to_draft += reply.bytes_sent
+            stats.bytes_from_draft += reply.bytes_received
             view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), reply.tokens, reply.cache_len)
             return reply
         return None
@@ -490,6 +493,7 @@ class GenerationEngine:
                 backoff = min(1.0, backoff * 2)
                 continue
             stats.bytes_to_target += reply.bytes_sent
+            stats.bytes_from_target += reply.bytes_received
             view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), drafts, reply.cache_len)
             return reply
 

@@ -55,7 +55,8 @@ def stats_to_pb(s: GenerationStats) -> orchestrator_pb2.GenerationStats:
         total_ms=s.total_ms, tokens_per_second=s.tokens_per_second, new_tokens=s.new_tokens,
         reprefills=s.reprefills, bytes_to_draft=s.bytes_to_draft, bytes_to_target=s.bytes_to_target,
         seed=s.seed, fallback_rounds=s.fallback_rounds, prompt_tokens=s.prompt_tokens,
-        cached_prompt_tokens=s.cached_prompt_tokens)
+        cached_prompt_tokens=s.cached_prompt_tokens, bytes_from_draft=s.bytes_from_draft,
+        bytes_from_target=s.bytes_from_target)
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):

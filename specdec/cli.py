@@ -11,6 +11,7 @@ COMMANDS = {
     "serve-orchestrator": "run the orchestrator",
     "generate": "call an orchestrator (streams the output)",
     "demo": "start all three services locally and stream a generation",
+    "bench": "benchmark the service against target-only and HF assisted generation (one run)",
     "loadtest": "bounded load test against an orchestrator (checks every greedy output)",
     "tune": "replay round traces through every k policy and write the best config",
     "fetch-models": "download and convert the embedded model pair (part of setup)",
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
         from orchestrator.__main__ import main as run
     elif command == "demo":
         from specdec.demo import main as run
+    elif command == "bench":
+        from specdec.bench import main as run
     elif command == "loadtest":
         from specdec.loadtest import main as run
     elif command == "tune":

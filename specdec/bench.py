@@ -1,0 +1,426 @@
+"""`specdec bench`: the service side by side with target-only and HF assisted generation, in ONE run.
+
+Systems run round-robin per prompt (the starting system rotates) so machine drift hits all of them.
+Greedy and sampled (temperature 0.7) modes. Writes report.md, report.json and PNG plots.
+Performance numbers come from here, never from a timed test; `--smoke` (tiny random models) is what
+CI runs to check that the report is produced and consistent.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.kpolicy import speedup_bound
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXED_KS = (1, 2, 3, 4, 6, 8)
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    kind: str                      # "service" | "hf-plain" | "hf-assisted"
+    speculation: dict = field(default_factory=dict)
+    hf: dict = field(default_factory=dict)
+    fixed_k: int | None = None     # for the Leviathan bound
+    modes: tuple[str, ...] = ("greedy", "sampled")
+
+
+def systems() -> list[System]:
+    out = [
+        System("target-only (service, k=0)", "service", {"fixed_k": 0, "min_draft_prob": 0.0}, fixed_k=0),
+        System("target-only (HF in-process)", "hf-plain"),
+        System("HF assisted (default)", "hf-assisted"),
+        System("HF assisted (heuristic)", "hf-assisted", hf={"num_assistant_tokens_schedule": "heuristic",
+                                                             "num_assistant_tokens": 5,
+                                                             "assistant_confidence_threshold": 0.0},
+               modes=("greedy",)),
+    ]
+    for k in FIXED_KS:
+        out.append(System(f"service fixed k={k}", "service", {"fixed_k": k, "min_draft_prob": 0.0}, fixed_k=k,
+                          modes=("greedy", "sampled") if k in (2, 4) else ("greedy",)))
+    out += [
+        System("service cost (server config)", "service", {"policy": "cost"}),
+        System("service cost (p_min=0)", "service", {"policy": "cost", "min_draft_prob": 0.0}, modes=("greedy",)),
+        System("service heuristic", "service", {"policy": "heuristic", "min_draft_prob": 0.0}, modes=("greedy",)),
+        System("service bandit (server config)", "service", {"policy": "bandit"}),
+    ]
+    return out
+
+
+@dataclass
+class Run:
+    system: str
+    mode: str
+    prompt: str
+    tokens: int
+    wall_s: float
+    token_ids: list[int]
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    k_per_round: list[int] = field(default_factory=list)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    overhead_ms: float = 0.0
+    bytes_to_draft: int = 0
+    bytes_from_draft: int = 0
+    bytes_to_target: int = 0
+    bytes_from_target: int = 0
+    target_forwards: int = 0
+    draft_forwards: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+# ----------------------------------------------------------------------------- runners
+
+class ForwardCounter:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls = 0
+        model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module: Any, args: Any) -> None:
+        self.calls += 1
+
+
+class HFRunner:
+    """In-process anchor: transformers' own generate (with assistant_model for assisted decoding)."""
+
+    def __init__(self, target_ref: str, draft_ref: str, draft_dtype: torch.dtype) -> None:
+        from specdec.models import load_model
+        self.target = load_model(target_ref, torch.float32)
+        self.draft = load_model(draft_ref, draft_dtype)
+        self.target_calls = ForwardCounter(self.target.model)
+        self.draft_calls = ForwardCounter(self.draft.model)
+        self.base_assistant_config = self.draft.model.generation_config
+
+    def run(self, system: System, mode: str, prompt_name: str, prompt_ids: list[int], max_new: int,
+            seed: int) -> Run:
+        import copy
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new, "do_sample": mode == "sampled"}
+        if mode == "sampled":
+            kwargs["temperature"] = 0.7
+            torch.manual_seed(seed)
+        if system.kind == "hf-assisted":
+            config = copy.deepcopy(self.base_assistant_config)
+            for key, value in system.hf.items():
+                setattr(config, key, value)
+            self.draft.model.generation_config = config
+            kwargs["assistant_model"] = self.draft.model
+        t0_target, t0_draft = self.target_calls.calls, self.draft_calls.calls
+        ids = torch.tensor([prompt_ids])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.target.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        wall = time.perf_counter() - start
+        new = out[0, len(prompt_ids):].tolist()
+        target_calls = self.target_calls.calls - t0_target
+        draft_calls = self.draft_calls.calls - t0_draft
+        run = Run(system.name, mode, prompt_name, len(new), wall, new, target_forwards=target_calls,
+                  draft_forwards=draft_calls)
+        if system.kind == "hf-assisted":
+            # One target forward per round; every extra token of a round is an accepted draft.
+            run.rounds = target_calls
+            run.accepted = max(0, len(new) - target_calls)
+            run.drafted = draft_calls
+        else:
+            run.rounds = len(new)
+        return run
+
+
+async def service_run(stub: Any, system: System, mode: str, prompt_name: str, prompt_ids: list[int],
+                      max_new: int, seed: int) -> Run:
+    from specdec.client import build_request
+    spec = system.speculation
+    req = build_request(prompt_ids=prompt_ids, max_new_tokens=max_new, temperature=0.7 if mode == "sampled" else 0.0,
+                        seed=seed, policy=spec.get("policy"), fixed_k=spec.get("fixed_k"))
+    if "min_draft_prob" in spec:
+        req.speculation.min_draft_prob = spec["min_draft_prob"]
+    start = time.perf_counter()
+    reply = await stub.Generate(req, timeout=1800)
+    wall = time.perf_counter() - start
+    s = reply.stats
+    return Run(system.name, mode, prompt_name, s.new_tokens, wall, list(reply.token_ids), s.rounds, s.draft_tokens,
+               s.accepted_tokens, list(s.accepted_per_position), list(s.k_per_round), s.draft_ms, s.verify_ms,
+               s.overhead_ms, s.bytes_to_draft, s.bytes_from_draft, s.bytes_to_target, s.bytes_from_target,
+               target_forwards=s.rounds, draft_forwards=s.draft_tokens)
+
+
+# ----------------------------------------------------------------------------- analysis
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def summarize(runs: list[Run], mode: str) -> dict[str, Any]:
+    by_system: dict[str, list[Run]] = {}
+    for r in runs:
+        if r.mode == mode:
+            by_system.setdefault(r.system, []).append(r)
+    baseline = {r.prompt: r for r in by_system.get("target-only (service, k=0)", [])}
+    anchor = {r.prompt: r for r in by_system.get("HF assisted (default)", [])}
+    hf_plain = {r.prompt: r for r in by_system.get("target-only (HF in-process)", [])}
+    # c and a measured in this run: target ms/token from k=0 compute, draft ms/drafted token,
+    # per-token acceptance pooled over the fixed-k service runs.
+    t_target = _median([r.verify_ms / r.tokens for r in baseline.values() if r.tokens])
+    service = [r for rs in by_system.values() for r in rs if r.drafted and r.draft_ms]
+    t_draft = sum(r.draft_ms for r in service) / max(1, sum(r.drafted for r in service))
+    c = t_draft / t_target if t_target else 0.0
+    fixed = [r for name, rs in by_system.items() if name.startswith("service fixed") for r in rs]
+    rejections = sum(sum(1 for k_r, n in _round_outcomes(r) if n < k_r) for r in fixed)
+    accepted = sum(r.accepted for r in fixed)
+    a = accepted / (accepted + rejections) if accepted + rejections else 0.0
+    rows = []
+    systems_by_name = {s.name: s for s in systems()}
+    for name, rs in by_system.items():
+        tps = [r.tokens_per_s for r in rs]
+        speedups = [r.tokens_per_s / baseline[r.prompt].tokens_per_s for r in rs if r.prompt in baseline]
+        vs_anchor = [r.tokens_per_s / anchor[r.prompt].tokens_per_s for r in rs if r.prompt in anchor]
+        tokens = sum(r.tokens for r in rs)
+        rounds = sum(r.rounds for r in rs)
+        drafted = sum(r.drafted for r in rs)
+        acc = sum(r.accepted for r in rs)
+        spec = systems_by_name.get(name)
+        k = spec.fixed_k if spec else None
+        speculative = spec is not None and spec.kind != "hf-plain" and k != 0
+        if not speculative:
+            bound = None
+        elif k is not None:
+            bound = speedup_bound(a, k, c)
+        else:  # adaptive / HF: the best any fixed k could do in theory
+            bound = max(speedup_bound(a, kk, c) for kk in range(0, 9))
+        identical = None
+        if mode == "greedy" and hf_plain:
+            identical = all(r.token_ids == hf_plain[r.prompt].token_ids for r in rs if r.prompt in hf_plain)
+        rows.append({
+            "system": name, "prompts": len(rs),
+            "tok_s_median": _median(tps), "tok_s_min": min(tps), "tok_s_max": max(tps),
+            "speedup_vs_target_only": _median(speedups), "ratio_vs_hf_assisted": _median(vs_anchor),
+            "acceptance": acc / drafted if drafted else None,
+            "accepted_per_round": acc / rounds if rounds else 0.0,
+            "target_forwards_per_token": sum(r.target_forwards for r in rs) / tokens if tokens else 0.0,
+            "bytes_per_round_to_draft": sum(r.bytes_to_draft for r in rs) / rounds if rounds else 0.0,
+            "bytes_per_round_from_draft": sum(r.bytes_from_draft for r in rs) / rounds if rounds else 0.0,
+            "bytes_per_round_to_target": sum(r.bytes_to_target for r in rs) / rounds if rounds else 0.0,
+            "bytes_per_round_from_target": sum(r.bytes_from_target for r in rs) / rounds if rounds else 0.0,
+            "bytes_per_token": sum(r.bytes_to_draft + r.bytes_from_draft + r.bytes_to_target + r.bytes_from_target
+                                   for r in rs) / tokens if tokens else 0.0,
+            "draft_ms_share": sum(r.draft_ms for r in rs) / max(1e-9, sum(r.wall_s for r in rs) * 1000),
+            "verify_ms_share": sum(r.verify_ms for r in rs) / max(1e-9, sum(r.wall_s for r in rs) * 1000),
+            "overhead_ms_per_round": sum(r.overhead_ms for r in rs) / rounds if rounds and rs[0].verify_ms else None,
+            "leviathan_bound": bound, "mean_k": drafted / rounds if rounds and rs[0].verify_ms else None,
+            "bound_fraction": (_median(speedups) / bound) if bound and speedups else None,
+            "identical_to_target_only": identical,
+        })
+    return {"mode": mode, "a": a, "c": c, "t_target_ms": t_target, "t_draft_ms": t_draft, "rows": rows}
+
+
+def _round_outcomes(run: Run) -> list[tuple[int, int]]:
+    """(k, accepted) per round, reconstructed from k_per_round and accepted_per_position."""
+    # accepted_per_position[i] counts rounds accepting position i; rounds are prefix-closed, so the
+    # number of rounds whose accepted count is exactly n is apc[n-1] - apc[n].
+    apc = run.accepted_per_position + [0]
+    outcomes: list[tuple[int, int]] = []
+    counts = {n: (apc[n - 1] if n else len(run.k_per_round)) - apc[n] for n in range(0, len(apc))}
+    ks = sorted(run.k_per_round, reverse=True)
+    for n in sorted(counts, reverse=True):
+        for _ in range(max(0, counts[n])):
+            outcomes.append((ks.pop(0) if ks else n, n))
+    return outcomes
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    def f(x: Any, spec: str = ".2f") -> str:
+        if x is None:
+            return "–"
+        if isinstance(x, bool):
+            return "yes" if x else "NO"
+        return format(x, spec)
+    lines = [f"### {summary['mode']}",
+             "",
+             f"Measured in this run: a = {summary['a']:.3f} (per-token acceptance, fixed-k runs), "
+             f"c = {summary['c']:.3f} (draft {summary['t_draft_ms']:.1f} ms / target {summary['t_target_ms']:.1f} ms per token).",
+             "",
+             "| system | tok/s median (min–max) | vs target-only | vs HF assisted | acceptance | accepted/round | "
+             "target fwd/token | bytes/round →draft/←draft/→target/←target | bytes/token | time draft/verify | "
+             "overhead ms/round | Leviathan S | of bound | = target-only |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        lines.append(
+            f"| {r['system']} | {r['tok_s_median']:.2f} ({r['tok_s_min']:.2f}–{r['tok_s_max']:.2f}) "
+            f"| {f(r['speedup_vs_target_only'])}x | {f(r['ratio_vs_hf_assisted'])}x | {f(r['acceptance'], '.1%')} "
+            f"| {r['accepted_per_round']:.2f} | {r['target_forwards_per_token']:.2f} "
+            f"| {r['bytes_per_round_to_draft']:.0f}/{r['bytes_per_round_from_draft']:.0f}/"
+            f"{r['bytes_per_round_to_target']:.0f}/{r['bytes_per_round_from_target']:.0f} | {r['bytes_per_token']:.0f} "
+            f"| {r['draft_ms_share']:.0%}/{r['verify_ms_share']:.0%} | {f(r['overhead_ms_per_round'])} "
+            f"| {f(r['leviathan_bound'])} | {f(r['bound_fraction'], '.0%')} | {f(r['identical_to_target_only'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(summaries: list[dict[str, Any]], runs: list[Run], out_dir: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    for summary in summaries:
+        rows = {r["system"]: r for r in summary["rows"]}
+        ks = [k for k in FIXED_KS if f"service fixed k={k}" in rows]
+        fig, ax = plt.subplots(figsize=(8, 5))
+        if ks:
+            ax.plot(ks, [rows[f"service fixed k={k}"]["tok_s_median"] for k in ks], "o-", label="service, fixed k")
+        for name, style in (("target-only (service, k=0)", "k:"), ("target-only (HF in-process)", "k--"),
+                            ("HF assisted (default)", "r--"), ("HF assisted (heuristic)", "m--")):
+            if name in rows:
+                ax.axhline(rows[name]["tok_s_median"], linestyle=style[1:], color=style[0], label=name)
+        colors = iter(["tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:cyan"])
+        for name, row in rows.items():
+            if name.startswith("service") and "fixed" not in name:
+                ax.axhline(row["tok_s_median"], color=next(colors), label=name)
+        ax.set_xlabel("k (draft tokens per round)")
+        ax.set_ylabel("tokens/s (median over prompts)")
+        ax.set_title(f"tokens/s vs k ({summary['mode']})")
+        ax.legend(fontsize=7)
+        path = out_dir / f"tokens_per_s_vs_k_{summary['mode']}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for k in FIXED_KS:
+        rs = [r for r in runs if r.system == f"service fixed k={k}" and r.mode == "greedy"]
+        if not rs:
+            continue
+        rounds = [sum(1 for r in rs for kk in r.k_per_round if kk > i) for i in range(k)]
+        acc = [sum(r.accepted_per_position[i] if i < len(r.accepted_per_position) else 0 for r in rs) for i in range(k)]
+        ax.plot(range(1, k + 1), [a / n if n else 0 for a, n in zip(acc, rounds)], "o-", label=f"fixed k={k}")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | drafted)")
+    ax.set_title("acceptance by draft position (greedy)")
+    ax.legend(fontsize=7)
+    path = out_dir / "acceptance_by_position.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+    return paths
+
+
+# ----------------------------------------------------------------------------- main
+
+async def _run_all(address: str, hf: HFRunner, prompts: list[dict], modes: list[str], max_new: int,
+                   progress: Any) -> list[Run]:
+    import grpc
+    from specdec.v1 import orchestrator_pb2_grpc
+    runs: list[Run] = []
+    plan = systems()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        # Warm-up: page in every model's weights before anything is timed.
+        warm = prompts[0]["ids"]
+        await service_run(stub, plan[0], "greedy", "warmup", warm, 4, 0)
+        await service_run(stub, plan[5], "greedy", "warmup", warm, 4, 0)
+        hf.run(plan[2], "greedy", "warmup", warm, 4, 0)
+        for mode in modes:
+            active = [s for s in plan if mode in s.modes]
+            for p_index, prompt in enumerate(prompts):
+                rotation = p_index % len(active)
+                for system in active[rotation:] + active[:rotation]:
+                    seed = 1000 + p_index
+                    if system.kind == "service":
+                        run = await service_run(stub, system, mode, prompt["id"], prompt["ids"], max_new, seed)
+                    else:
+                        run = await asyncio.to_thread(hf.run, system, mode, prompt["id"], prompt["ids"], max_new, seed)
+                    runs.append(run)
+                    progress.set_postfix_str(f"{mode} {prompt['id']} {system.name}: {run.tokens_per_s:.2f} tok/s")
+                    progress.update(1)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="specdec bench", description=__doc__)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--draft", default=DEFAULT_DRAFT)
+    parser.add_argument("--prompts", default=str(ROOT / "bench" / "prompts.jsonl"))
+    parser.add_argument("--categories", default="code,chat,factual,story,math",
+                        help="one prompt per category (in file order) unless --all-prompts")
+    parser.add_argument("--all-prompts", action="store_true")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--modes", default="greedy,sampled")
+    parser.add_argument("--config", help="orchestrator [speculation] TOML (default for the embedded pair: "
+                        "configs/embedded-pair-cpu.toml)")
+    parser.add_argument("--out", default=str(ROOT / "bench-out"))
+    parser.add_argument("--smoke", action="store_true", help="tiny random models, 3 prompts, 12 tokens (CI)")
+    args = parser.parse_args(argv)
+
+    from tqdm import tqdm
+
+    from specdec.demo import DEFAULT_PAIR_CONFIG, local_services
+    from specdec.models import load_tokenizer, resolve_dtype
+    if args.smoke:
+        args.target, args.draft = "tiny:seed=0", "tiny:seed=0,noise=0.02"
+        args.max_new_tokens = 12
+    tokenizer = load_tokenizer(args.target)
+    all_prompts = [json.loads(line) for line in open(args.prompts) if line.strip()]
+    if args.smoke:
+        chosen = all_prompts[:3]
+    elif args.all_prompts:
+        chosen = all_prompts
+    else:
+        seen: set[str] = set()
+        chosen = [p for p in all_prompts if p["category"] in args.categories.split(",")
+                  and not (p["category"] in seen or seen.add(p["category"]))]
+    for p in chosen:
+        p["ids"] = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True)
+    config = args.config
+    if config is None and (args.target, args.draft) == (DEFAULT_TARGET, DEFAULT_DRAFT):
+        config = str(DEFAULT_PAIR_CONFIG)
+    modes = args.modes.split(",")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    draft_dtype = resolve_dtype("auto", "draft")
+    print(f"bench: target {args.target}, draft {args.draft} ({draft_dtype}), {len(chosen)} prompts, "
+          f"{args.max_new_tokens} new tokens, modes {modes}, config {config}")
+    hf = HFRunner(args.target, args.draft, draft_dtype)
+    total = sum(len(chosen) for mode in modes for s in systems() if mode in s.modes)
+    orch_args = ["--log-level", "WARNING", "--max-k", "8"] + (["--config", config] if config else [])
+    started = time.time()
+    with local_services(args.target, args.draft, 0, orch_args) as address, tqdm(total=total, unit="run") as progress:
+        runs = asyncio.run(_run_all(address, hf, chosen, modes, args.max_new_tokens, progress))
+    summaries = [summarize(runs, mode) for mode in modes]
+    report = {
+        "command": "specdec bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
+        "duration_s": round(time.time() - started, 1),
+        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "target": args.target, "draft": args.draft, "draft_dtype": str(draft_dtype), "config": config,
+        "prompts": [p["id"] for p in chosen], "max_new_tokens": args.max_new_tokens,
+        "summaries": summaries, "runs": [asdict(r) for r in runs],
+    }
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    md = [f"# specdec bench\n\n`{report['command']}` — {report['started']} UTC, {report['duration_s']:.0f} s, "
+          f"target `{args.target}`, draft `{args.draft}` ({draft_dtype}), prompts {', '.join(report['prompts'])}, "
+          f"{args.max_new_tokens} new tokens.\n"]
+    md += [markdown(s) for s in summaries]
+    paths = plots(summaries, runs, out_dir)
+    md.append("\n" + "\n".join(f"![{p.stem}]({p.name})" for p in paths) + "\n")
+    (out_dir / "report.md").write_text("\n".join(md))
+    print("\n".join(md))
+    print(f"wrote {out_dir / 'report.md'}, {out_dir / 'report.json'} and {len(paths)} plots")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""`specdec bench --smoke` (tiny models) produces a complete, internally consistent report.
+This checks the report, never a speed."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from specdec.bench import FIXED_KS, systems
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_smoke_report(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--smoke", "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    md = (tmp_path / "report.md").read_text()
+    assert [s["mode"] for s in report["summaries"]] == ["greedy", "sampled"]
+    n_prompts = len(report["prompts"])
+    runs = report["runs"]
+    for summary in report["summaries"]:
+        mode = summary["mode"]
+        expected = {s.name for s in systems() if mode in s.modes}
+        rows = {r["system"]: r for r in summary["rows"]}
+        assert set(rows) == expected
+        for name, row in rows.items():
+            assert row["prompts"] == n_prompts and row["tok_s_median"] > 0
+            assert row["tok_s_min"] <= row["tok_s_median"] <= row["tok_s_max"]
+            mine = [r for r in runs if r["system"] == name and r["mode"] == mode]
+            assert sum(r["accepted"] for r in mine) <= sum(r["drafted"] for r in mine)
+            if row["acceptance"] is not None:
+                assert 0.0 <= row["acceptance"] <= 1.0
+            if name.startswith("HF") or "in-process" in name:
+                assert row["bytes_per_token"] == 0  # in-process: nothing on the wire
+            else:
+                assert row["bytes_per_round_to_target"] > 0
+            assert f"| {name} |" in md
+        assert rows["target-only (service, k=0)"]["speedup_vs_target_only"] == 1.0
+        assert rows["HF assisted (default)"]["ratio_vs_hf_assisted"] == 1.0
+        for k in FIXED_KS:
+            name = f"service fixed k={k}"
+            if name in rows:
+                assert 0 < rows[name]["target_forwards_per_token"] <= 1.0
+                assert all(max(r["k_per_round"]) <= k for r in runs if r["system"] == name)
+        if mode == "greedy":  # every greedy system reproduces target-only exactly
+            assert all(row["identical_to_target_only"] for row in rows.values())
+    for name in ("tokens_per_s_vs_k_greedy.png", "tokens_per_s_vs_k_sampled.png", "acceptance_by_position.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert name in md
