@@ -10,10 +10,12 @@ from typing import Any
 
 from orchestrator import servicer as orch_servicer
 from orchestrator.admission import Admission
-from orchestrator.clients import GrpcDraftBackend, GrpcTargetBackend
+from orchestrator.clients import GrpcDraftBackend, GrpcTargetBackend, open_channel
+from orchestrator.routing import ReplicaPool, RoutedDraft, RoutedTarget
 from orchestrator.engine import EngineLimits, GenerationEngine, SpeculationConfig
 from orchestrator.traces import TraceWriter
-from specdec import grpc_util
+from specdec import grpc_util, security
+from specdec.metrics import OrchestratorMetrics, serve_metrics
 from specdec.errors import DeadlineExceeded, WorkerUnavailable
 from specdec.models import load_tokenizer
 
@@ -37,6 +39,16 @@ class OrchestratorConfig:
     port: int = 0
     connect_timeout_s: float = 120.0
     trace_file: str | None = None
+    # Security: TLS on the public API, bearer tokens, mTLS to the workers.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_tokens: tuple[str, ...] = ()
+    worker_ca: str | None = None
+    worker_client_cert: str | None = None
+    worker_client_key: str | None = None
+    worker_server_name: str | None = None
+    metrics_port: int | None = None
+    discovery_refresh_s: float = 5.0
 
 
 def load_speculation_file(path: str, base: SpeculationConfig) -> SpeculationConfig:
@@ -63,9 +75,20 @@ async def wait_for_worker(backend: Any, timeout_s: float):
             await asyncio.sleep(0.5)
 
 
-async def build_engine(cfg: OrchestratorConfig) -> tuple[GenerationEngine, GrpcDraftBackend, GrpcTargetBackend]:
-    draft = GrpcDraftBackend(cfg.draft_address)
-    target = GrpcTargetBackend(cfg.target_address)
+async def build_engine(cfg: OrchestratorConfig, observer: Any = None) -> tuple[GenerationEngine, RoutedDraft, RoutedTarget]:
+    creds = (security.channel_credentials(cfg.worker_ca, cfg.worker_client_cert, cfg.worker_client_key)
+             if cfg.worker_ca else None)
+
+    def channel(address: str) -> Any:
+        return open_channel(address, creds, cfg.worker_server_name)
+
+    draft_pool = ReplicaPool("draft", cfg.draft_address, lambda a: GrpcDraftBackend(a, channel(a)),
+                             cfg.discovery_refresh_s)
+    target_pool = ReplicaPool("target", cfg.target_address, lambda a: GrpcTargetBackend(a, channel(a)),
+                              cfg.discovery_refresh_s)
+    await draft_pool.start()
+    await target_pool.start()
+    draft, target = RoutedDraft(draft_pool), RoutedTarget(target_pool)
     target_info = await wait_for_worker(target, cfg.connect_timeout_s)
     draft_info = await wait_for_worker(draft, cfg.connect_timeout_s)
     if draft_info.tokenizer_fingerprint != target_info.tokenizer_fingerprint:
@@ -76,17 +99,24 @@ async def build_engine(cfg: OrchestratorConfig) -> tuple[GenerationEngine, GrpcD
                     draft_info.vocab_size, target_info.vocab_size)
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer)
     tracer = TraceWriter(cfg.trace_file) if cfg.trace_file else None
-    engine = GenerationEngine(draft, target, tokenizer, target_info, cfg.speculation, cfg.limits, tracer)
+    engine = GenerationEngine(draft, target, tokenizer, target_info, cfg.speculation, cfg.limits, tracer, observer)
     log.info("draft %s at %s, target %s at %s", draft_info.model_ref, cfg.draft_address,
              target_info.model_ref, cfg.target_address)
     return engine, draft, target
 
 
 async def start_orchestrator(cfg: OrchestratorConfig):
-    engine, draft, target = await build_engine(cfg)
-    servicer = orch_servicer.OrchestratorServicer(engine, Admission(cfg.max_concurrent, cfg.max_queue, cfg.rate_per_s))
+    metrics = OrchestratorMetrics() if cfg.metrics_port is not None else None
+    engine, draft, target = await build_engine(cfg, metrics)
+    servicer = orch_servicer.OrchestratorServicer(engine, Admission(cfg.max_concurrent, cfg.max_queue, cfg.rate_per_s),
+                                                  metrics)
+    credentials = security.server_credentials(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None
+    interceptors = [security.BearerTokenInterceptor(list(cfg.auth_tokens))] if cfg.auth_tokens else []
     handle = await grpc_util.start_server(lambda s: orch_servicer.register(servicer, s),
-                                          [orch_servicer.SERVICE_NAME], host=cfg.host, port=cfg.port)
+                                          [orch_servicer.SERVICE_NAME], host=cfg.host, port=cfg.port,
+                                          credentials=credentials, interceptors=interceptors)
+    if metrics is not None:
+        handle.metrics_port = serve_metrics(cfg.metrics_port, metrics.registry, cfg.host)
 
     # Health entry for the draft dependency: NOT_SERVING while generation falls back to target-only.
     async def report_draft(degraded: bool) -> None:
@@ -98,8 +128,19 @@ async def start_orchestrator(cfg: OrchestratorConfig):
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     from specdec.embedded import DEFAULT_TARGET
-    parser.add_argument("--draft", required=True, help="draft worker address host:port")
-    parser.add_argument("--target", required=True, help="target worker address host:port")
+    parser.add_argument("--draft", required=True,
+                        help="draft replicas: host:port[,host:port...] or dns:///headless-service:port")
+    parser.add_argument("--target", required=True,
+                        help="target replicas: host:port[,host:port...] or dns:///headless-service:port")
+    parser.add_argument("--discovery-refresh-s", type=float, default=5.0, help="DNS re-resolution period")
+    parser.add_argument("--tls-cert", help="PEM certificate for the public API (TLS)")
+    parser.add_argument("--tls-key", help="PEM private key for the public API")
+    parser.add_argument("--auth-token-file", help="bearer tokens, one per line; callers without one get UNAUTHENTICATED")
+    parser.add_argument("--worker-ca", help="CA that signed the workers' certificates (enables TLS to workers)")
+    parser.add_argument("--worker-client-cert", help="client certificate presented to workers (mTLS)")
+    parser.add_argument("--worker-client-key", help="key of the client certificate")
+    parser.add_argument("--worker-server-name", help="name expected in worker certificates (default: the host)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: any)")
     parser.add_argument("--tokenizer", default=DEFAULT_TARGET, help="tokenizer ref (the target's model ref)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
@@ -133,7 +174,12 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
     limits = EngineLimits(max_new_tokens=args.max_new_tokens_limit, max_sessions=args.max_sessions,
                           session_ttl_s=args.session_ttl_s)
     return OrchestratorConfig(args.draft, args.target, args.tokenizer, spec, limits, args.max_concurrent,
-                              args.max_queue, args.rate_per_s, args.host, args.port, trace_file=args.trace_file)
+                              args.max_queue, args.rate_per_s, args.host, args.port, trace_file=args.trace_file,
+                              tls_cert=args.tls_cert, tls_key=args.tls_key,
+                              auth_tokens=tuple(security.load_tokens(args.auth_token_file)) if args.auth_token_file else (),
+                              worker_ca=args.worker_ca, worker_client_cert=args.worker_client_cert,
+                              worker_client_key=args.worker_client_key, worker_server_name=args.worker_server_name,
+                              metrics_port=args.metrics_port, discovery_refresh_s=args.discovery_refresh_s)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -31,9 +31,15 @@ def _domain_error(role: str, address: str, err: grpc.aio.AioRpcError) -> Specdec
     return cls(f"{role} worker at {address}: {err.code().name}: {err.details()}")
 
 
-def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None,
+                 server_name: str | None = None) -> grpc.aio.Channel:
+    """server_name overrides the name checked against the worker's certificate (pods are dialled by
+    IP from DNS discovery, while their certificate names the service)."""
     if credentials is not None:
-        return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        options = list(CHANNEL_OPTIONS)
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        return grpc.aio.secure_channel(address, credentials, options=options)
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 

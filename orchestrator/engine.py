@@ -130,6 +130,15 @@ class EngineLimits:
     draft_timeout_s: float = 10.0
 
 
+class EngineObserver:
+    """Hooks for metrics (no-op by default; specdec.metrics.OrchestratorMetrics implements them)."""
+
+    def round(self, k: int, drafted: int, accepted: int, draft_ms: float, verify_ms: float, round_ms: float,
+              fallback: bool, acceptance_ewma: float) -> None: ...
+
+    def reprefill(self) -> None: ...
+
+
 class DraftHealth:
     """Backoff for a draft worker that failed: rounds fall back to k=0 until the next retry time."""
 
@@ -172,9 +181,11 @@ class Deadline:
 class GenerationEngine:
     def __init__(self, draft: DraftBackend, target: TargetBackend, tokenizer: Tokenizer,
                  target_info: WorkerDescription, speculation: SpeculationConfig = SpeculationConfig(),
-                 limits: EngineLimits = EngineLimits(), tracer: "TraceWriter | None" = None) -> None:
+                 limits: EngineLimits = EngineLimits(), tracer: "TraceWriter | None" = None,
+                 observer: EngineObserver | None = None) -> None:
         self.draft = draft
         self.tracer = tracer
+        self.observer = observer or EngineObserver()
         self.target = target
         self.tokenizer = tokenizer
         self.target_info = target_info
@@ -184,8 +195,9 @@ class GenerationEngine:
         self.draft_health = DraftHealth()
         # Called with True when the draft becomes unusable and False when it recovers.
         self.on_draft_health: Callable[[bool], Awaitable[None]] | None = None
-        # Global prior: new sessions start from what recent sessions measured on this worker pair.
-        self.prior = SessionStats()
+        # Priors per (draft replica, target replica) pair: a new session starts from what recent
+        # sessions measured on the same pair (speeds and acceptance differ between pairs).
+        self.priors: dict[str, SessionStats] = {}
         self.sessions = OrchestratorSessions(limits.max_sessions, limits.session_ttl_s, self._end_on_workers)
         self._background: set[asyncio.Task[Any]] = set()
         make_policy(speculation.policy, speculation.policy_params())  # fail fast on a bad server default
@@ -272,8 +284,21 @@ class GenerationEngine:
                 log.warning("end_session %s: %s", session_id, exc)
         return existed
 
-    def _new_stats(self) -> SessionStats:
-        return copy.deepcopy(self.prior)
+    def pair_key(self, session_id: str) -> str:
+        try:
+            draft = getattr(self.draft, "node_for", lambda _: "draft")(session_id)
+            target = getattr(self.target, "node_for", lambda _: "target")(session_id)
+        except SpecdecError:
+            return "unrouted"
+        return f"{draft}|{target}"
+
+    def prior_for(self, session_id: str) -> SessionStats:
+        key = self.pair_key(session_id)
+        if key not in self.priors:
+            if len(self.priors) >= 1024:  # bounded: pairs come and go with scaling
+                self.priors.pop(next(iter(self.priors)))
+            self.priors[key] = SessionStats()
+        return self.priors[key]
 
     def _input_tokens(self, session: OrchestratorSession, params: GenerateParams) -> list[int]:
         """Canonical token list after appending this request's input to the session."""
@@ -293,7 +318,8 @@ class GenerationEngine:
         deadline = Deadline(timeout_s)
         ephemeral = params.session_id is None
         session_id = params.session_id or f"tmp-{uuid.uuid4().hex}"
-        session = self.sessions.get_or_create(session_id, ephemeral, self._new_stats)
+        session = self.sessions.get_or_create(session_id, ephemeral,
+                                              lambda: copy.deepcopy(self.prior_for(session_id)))
         if session.lock.locked():
             raise SessionBusy(f"session {session_id!r} is busy with another request; retry when it finishes")
         async with session.lock:
@@ -308,6 +334,7 @@ class GenerationEngine:
     async def _generate_locked(self, session: OrchestratorSession, params: GenerateParams,
                                deadline: Deadline) -> AsyncIterator[GenerationEvent]:
         started = time.perf_counter()
+        prior = self.prior_for(session.session_id)
         policy, min_k, max_k = self._resolve_policy(params.speculation)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         sampling = SamplingConfig(params.temperature, params.top_k, params.top_p, seed)
@@ -372,7 +399,9 @@ class GenerationEngine:
                 stats.accepted_per_position[i] += 1
             # Rounds that prefilled a prompt say nothing about a k's steady-state speed.
             session.stats.observe_round(len(drafts), accepted, round_ms if steady else None)
-            self.prior.observe_round(len(drafts), accepted, round_ms if steady else None)
+            prior.observe_round(len(drafts), accepted, round_ms if steady else None)
+            self.observer.round(k, len(drafts), accepted, draft_ms, verify.compute_ms, round_ms, fallback,
+                                prior.acceptance.value)
             if self.tracer is not None:
                 self.tracer.write(RoundTrace(
                     session=sid, round=stats.rounds, position=position, policy=policy_name, k=k,
@@ -406,15 +435,16 @@ class GenerationEngine:
 
         stats.new_tokens = len(generated)
         stats.total_ms = (time.perf_counter() - started) * 1000.0
-        self._observe_overhead(session.stats, stats)
+        self._observe_overhead(prior, session.stats, stats)
         if session.messages and params.messages is not None:
             session.messages.append({"role": "assistant", "content": text.emitted})
         yield GenerationEvent(delta, new_tokens, finish, stats, session_id="" if session.ephemeral else sid)
 
-    def _observe_overhead(self, session_stats: SessionStats, stats: GenerationStats) -> None:
+    @staticmethod
+    def _observe_overhead(prior: SessionStats, session_stats: SessionStats, stats: GenerationStats) -> None:
         # The latest session's timings become the prior of new sessions on this worker pair.
         if stats.rounds:
-            self.prior.timing = copy.deepcopy(session_stats.timing)
+            prior.timing = copy.deepcopy(session_stats.timing)
 
     async def _propose(self, session: OrchestratorSession, canonical: list[int], k: int,
                        sampling: SamplingConfig, min_draft_prob: float, deadline: Deadline,
@@ -432,6 +462,7 @@ class GenerationEngine:
                     raise
                 log.info("draft lost session %s (%s): re-prefilling", session.session_id, type(exc).__name__)
                 stats.reprefills += 1
+                self.observer.reprefill()
                 view.reset()
                 continue
             except (WorkerUnavailable, DeadlineExceeded) as exc:
@@ -480,6 +511,7 @@ class GenerationEngine:
                     raise
                 log.info("target lost session %s (%s): re-prefilling", session.session_id, type(exc).__name__)
                 stats.reprefills += 1
+                self.observer.reprefill()
                 reprefilled = True
                 view.reset()
                 continue

@@ -1,15 +1,18 @@
 """Orchestrator gRPC servicer: protobuf <-> GenerateParams/GenerationEvent, admission, status codes."""
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from orchestrator.admission import Admission
 from orchestrator.engine import GenerateParams, GenerationEngine, GenerationEvent, GenerationStats, SpeculationOverride
 from specdec import grpc_util
-from specdec.errors import InvalidRequest
+from specdec.errors import InvalidRequest, SpecdecError
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -60,24 +63,48 @@ def stats_to_pb(s: GenerationStats) -> orchestrator_pb2.GenerationStats:
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, engine: GenerationEngine, admission: Admission) -> None:
+    def __init__(self, engine: GenerationEngine, admission: Admission, metrics: Any = None) -> None:
         self.engine = engine
         self.admission = admission
+        self.metrics = metrics
 
     async def _events(self, request: orchestrator_pb2.GenerateRequest,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[GenerationEvent]:
-        params = params_from_pb(request)
-        self.engine.validate(params)
-        async with self.admission.slot():
-            async for event in self.engine.generate(params, context.time_remaining()):
-                yield event
+                      context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[GenerationEvent]:
+        started = time.perf_counter()
+        code, tokens = "OK", 0
+        try:
+            params = params_from_pb(request)
+            self.engine.validate(params)
+            async with self.admission.slot():
+                if self.metrics is not None:
+                    self.metrics.inflight.inc()
+                try:
+                    async for event in self.engine.generate(params, context.time_remaining()):
+                        tokens += len(event.token_ids)
+                        yield event
+                finally:
+                    if self.metrics is not None:
+                        self.metrics.inflight.dec()
+        except SpecdecError as exc:
+            code = exc.code_name
+            raise
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.request_done(method, code, time.perf_counter() - started, tokens)
+                self.metrics.sessions.set(len(self.engine.sessions))
 
     async def Generate(self, request: orchestrator_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> orchestrator_pb2.GenerateResponse:
         async def run() -> orchestrator_pb2.GenerateResponse:
             text, ids = [], []
             final: GenerationEvent | None = None
-            async for event in self._events(request, context):
+            async for event in self._events(request, context, "Generate"):
                 text.append(event.text_delta)
                 ids.extend(event.token_ids)
                 final = event
@@ -90,7 +117,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     async def GenerateStream(self, request: orchestrator_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[orchestrator_pb2.GenerateStreamResponse]:
         try:
-            async for event in self._events(request, context):
+            async for event in self._events(request, context, "GenerateStream"):
                 msg = orchestrator_pb2.GenerateStreamResponse(text_delta=event.text_delta, token_ids=event.token_ids,
                                                               session_id=event.session_id)
                 if event.finish_reason is not None:

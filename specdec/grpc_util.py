@@ -109,6 +109,7 @@ class ServerHandle:
         self.port = port
         self.health = health_servicer
         self.services = services
+        self.metrics_port: int | None = None
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -70,6 +70,10 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     parser.add_argument("--drain-delay-s", type=float, default=0.0,
                         help="on SIGTERM, report NOT_SERVING this long before refusing new calls")
+    parser.add_argument("--tls-cert", help="PEM certificate (enables TLS)")
+    parser.add_argument("--tls-key", help="PEM private key")
+    parser.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: any)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -88,8 +92,15 @@ async def serve_worker(args: argparse.Namespace, role: str,
     loaded = await asyncio.to_thread(load_model, args.model, dtype, args.device)
     core = WorkerCore(loaded, role, store_limits(args))
     servicer = make_servicer(core)
+    credentials = None
+    if args.tls_cert and args.tls_key:
+        from specdec import security
+        credentials = security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     handle = await grpc_util.start_server(lambda server: register(servicer, server), [service_name],
-                                          host=args.host, port=args.port)
+                                          host=args.host, port=args.port, credentials=credentials)
+    if args.metrics_port is not None:
+        from specdec.metrics import serve_metrics, worker_registry
+        serve_metrics(args.metrics_port, worker_registry(core), args.host)
     try:
         await grpc_util.run_until_signalled(handle, args.grace_s, args.port_file, drain_delay_s=args.drain_delay_s)
     finally:

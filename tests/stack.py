@@ -27,14 +27,16 @@ def cached_model(ref: str, dtype: torch.dtype = torch.float32):
 
 
 async def start_worker(role: str, ref: str, limits: StoreLimits = StoreLimits(), port: int = 0,
-                       dtype: torch.dtype = torch.float32):
+                       dtype: torch.dtype = torch.float32, credentials: grpc.ServerCredentials | None = None):
     core = WorkerCore(cached_model(ref, dtype), role, limits)
     if role == "draft":
         servicer = DraftServicer(core)
-        handle = await grpc_util.start_server(lambda s: register_draft(servicer, s), [DRAFT_SERVICE], port=port)
+        handle = await grpc_util.start_server(lambda s: register_draft(servicer, s), [DRAFT_SERVICE], port=port,
+                                              credentials=credentials)
     else:
         servicer = TargetServicer(core)
-        handle = await grpc_util.start_server(lambda s: register_target(servicer, s), [TARGET_SERVICE], port=port)
+        handle = await grpc_util.start_server(lambda s: register_target(servicer, s), [TARGET_SERVICE], port=port,
+                                              credentials=credentials)
     return handle, servicer
 
 

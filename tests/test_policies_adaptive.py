@@ -130,3 +130,23 @@ def test_config_file_rejects_unknown_keys(tmp_path: Path) -> None:
     bad.write_text("[speculation]\npolicy = 'cost'\nfrobnicate = 3\n")
     with pytest.raises(ValueError, match="frobnicate"):
         load_speculation_file(str(bad), SpeculationConfig())
+
+
+async def test_new_sessions_start_from_their_worker_pair_prior() -> None:
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.04")
+    try:
+        engine = stack.orch.engine
+        await stack.generate(prompt_ids=[1, 2, 3], max_new_tokens=40, speculation={"fixed_k": 4})
+        pair = engine.pair_key("anything")
+        assert pair == f"127.0.0.1:{stack.draft_handle.port}|127.0.0.1:{stack.target_handle.port}"
+        prior = engine.priors[pair]
+        assert prior.rounds > 0 and prior.acceptance.observations == prior.rounds  # learned from the first session
+        assert 4 in prior.timing.verify_by_k and 4 in prior.arms  # measured k=4 costs and rates
+        learned_rounds = prior.rounds
+        reply = await stack.generate(prompt_ids=[4, 5], max_new_tokens=4, session_id="fresh")
+        fresh = engine.sessions.get("fresh").stats
+        # It started from the pair's history (rounds and timings), not from zero.
+        assert fresh.rounds == learned_rounds + reply.stats.rounds
+        assert set(prior.timing.verify_by_k) <= set(fresh.timing.verify_by_k)
+    finally:
+        await stack.close()

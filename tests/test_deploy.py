@@ -1,0 +1,253 @@
+"""Operating the service: replica routing, discovery, health + reflection, metrics, TLS/mTLS/auth."""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import re
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrator.app import OrchestratorConfig, start_orchestrator
+from orchestrator.routing import HashRing, ReplicaPool
+from specdec import security
+from specdec.v1 import orchestrator_pb2_grpc
+from tests.stack import request, start_stack, start_worker
+from tests.test_e2e_generate import reference_greedy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------- consistent hashing
+
+def test_ring_spreads_keys_and_moves_few_on_growth() -> None:
+    keys = [f"session-{i}" for i in range(4000)]
+    ring = HashRing(["a:1", "b:1", "c:1"])
+    before = {k: ring.node_for(k) for k in keys}
+    shares = {n: sum(1 for v in before.values() if v == n) / len(keys) for n in ring.nodes}
+    assert all(0.2 < share < 0.47 for share in shares.values()), shares
+    ring.set_nodes(["a:1", "b:1", "c:1", "d:1"])
+    moved = [k for k in keys if ring.node_for(k) != before[k]]
+    assert 0.15 < len(moved) / len(keys) < 0.35          # ~1/4 move, not everything
+    assert all(ring.node_for(k) == "d:1" for k in moved)  # and only to the new replica
+
+
+async def test_sessions_stick_to_replicas_and_moved_sessions_are_re_prefilled() -> None:
+    drafts = [await start_worker("draft", "tiny:seed=0,noise=0.02") for _ in range(2)]
+    targets = [await start_worker("target", "tiny:seed=0") for _ in range(3)]
+    addr = lambda pair: f"127.0.0.1:{pair[0].port}"  # noqa: E731
+    cfg = OrchestratorConfig(",".join(addr(d) for d in drafts), ",".join(addr(t) for t in targets[:2]), "tiny:seed=0",
+                             connect_timeout_s=10)
+    handle, orch, backends = await start_orchestrator(cfg)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
+    stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+    try:
+        sessions = [f"user-{i}" for i in range(16)]
+        first = {}
+        for sid in sessions:
+            prompt = [3, len(sid), 7]
+            reply = await stub.Generate(request(prompt_ids=prompt, max_new_tokens=12, session_id=sid,
+                                                speculation={"fixed_k": 3}), timeout=60)
+            assert list(reply.token_ids) == reference_greedy(prompt, 12)
+            first[sid] = (prompt, list(reply.token_ids))
+        for pool in (drafts, targets[:2]):
+            holders = [set(servicer.core.store._slots) for _, servicer in pool]
+            assert all(holders), "every replica should get some sessions"
+            assert sum(len(h) for h in holders) == len(sessions)  # each session on exactly one replica
+            assert not set.intersection(*holders)
+        # Scale the target pool out: few sessions move; a moved session is rebuilt, output unchanged.
+        pool = orch.engine.target.pool
+        before = {sid: pool.ring.node_for(sid) for sid in sessions}
+        pool.set_addresses([addr(t) for t in targets])
+        moved = {sid for sid in sessions if pool.ring.node_for(sid) != before[sid]}
+        assert 0 < len(moved) < len(sessions) / 2
+        for sid in sessions:
+            prompt, out = first[sid]
+            reply = await stub.Generate(request(prompt_ids=[9, 9], max_new_tokens=8, session_id=sid,
+                                                speculation={"fixed_k": 3}), timeout=60)
+            assert list(reply.token_ids) == reference_greedy(prompt + out + [9, 9], 8)
+            assert (reply.stats.reprefills > 0) == (sid in moved)
+        assert set(targets[2][1].core.store._slots) == moved
+    finally:
+        await channel.close()
+        for backend in backends:
+            await backend.close()
+        await handle.stop(0)
+        for h, servicer in drafts + targets:
+            await h.stop(0)
+            servicer.close()
+
+
+async def test_dns_discovery_resolves_replicas() -> None:
+    handle, servicer = await start_worker("target", "tiny:seed=0")
+    pool = ReplicaPool("target", f"dns:///localhost:{handle.port}", lambda a: a, refresh_s=0.1)
+    try:
+        await pool.start()
+        assert f"127.0.0.1:{handle.port}" in pool.backends
+        assert pool.backend_for("any-session") in pool.backends
+    finally:
+        await pool.close()
+        await handle.stop(0)
+        servicer.close()
+
+
+# ----------------------------------------------------------------------------- health, reflection, metrics
+
+def list_services(address: str, credentials: grpc.ChannelCredentials | None = None) -> set[str]:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel:
+        return set(ProtoReflectionDescriptorDatabase(channel).get_services())
+
+
+async def test_health_and_reflection_on_all_services(stack) -> None:
+    for handle, service in ((stack.orch_handle, "specdec.v1.Orchestrator"),
+                            (stack.draft_handle, "specdec.v1.DraftWorker"),
+                            (stack.target_handle, "specdec.v1.TargetWorker")):
+        address = f"127.0.0.1:{handle.port}"
+        services = await asyncio.to_thread(list_services, address)
+        assert {service, "grpc.health.v1.Health"} <= services
+        async with grpc.aio.insecure_channel(address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_prometheus_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from specdec.metrics import worker_registry
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02")
+    # start_stack has no metrics port: run a second orchestrator with one on the same workers.
+    cfg = OrchestratorConfig(f"127.0.0.1:{stack.draft_handle.port}", f"127.0.0.1:{stack.target_handle.port}",
+                             "tiny:seed=0", metrics_port=0, connect_timeout_s=10)
+    handle, orch, backends = await start_orchestrator(cfg)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            await stub.Generate(request(prompt_ids=[1, 2, 3], max_new_tokens=20, speculation={"fixed_k": 3}))
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Generate(request(prompt="", max_new_tokens=5))
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{handle.metrics_port}/metrics", timeout=10).read().decode())
+        assert 'specdec_requests_total{code="OK",method="Generate"} 1.0' in body
+        assert 'specdec_requests_total{code="INVALID_ARGUMENT",method="Generate"} 1.0' in body
+        assert "specdec_generated_tokens_total 20.0" in body
+        rounds = float(re.search(r"^specdec_rounds_total (\S+)", body, re.M).group(1))
+        assert rounds >= 5
+        for name in ("specdec_draft_tokens_total", "specdec_accepted_tokens_total", 'specdec_round_k_bucket{le="3.0"}',
+                     "specdec_acceptance_rate", 'specdec_round_duration_seconds_count{part="verify"}',
+                     "specdec_fallback_rounds_total", "specdec_reprefills_total", "specdec_request_duration_seconds"):
+            assert name in body, name
+        worker_body = generate_latest(worker_registry(stack.target.core)).decode()
+        for name in ('specdec_worker_sessions{role="target"}', "specdec_worker_cache_bytes",
+                     "specdec_worker_fed_tokens_total", "specdec_worker_evictions_total"):
+            assert name in worker_body, name
+    finally:
+        for backend in backends:
+            await backend.close()
+        await handle.stop(0)
+        await stack.close()
+
+
+# ----------------------------------------------------------------------------- TLS, mTLS, bearer auth
+
+def make_pki(tmp: Path) -> dict[str, str]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def key():
+        return ec.generate_private_key(ec.SECP256R1())
+
+    def write(name: str, obj) -> str:
+        path = tmp / name
+        if hasattr(obj, "private_bytes"):
+            path.write_bytes(obj.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        else:
+            path.write_bytes(obj.public_bytes(serialization.Encoding.PEM))
+        return str(path)
+
+    ca_key = key()
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "specdec test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
+    out = {"ca": write("ca.pem", ca)}
+    for name, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH), ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
+        k = key()
+        cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"specdec-{name}")]))
+                .issuer_name(ca_name).public_key(k.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.DNSName("specdec-worker"),
+                                                            x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+                .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        out[f"{name}_cert"], out[f"{name}_key"] = write(f"{name}.pem", cert), write(f"{name}.key", k)
+    return out
+
+
+async def test_tls_public_api_mtls_workers_and_bearer_auth(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path)
+    worker_creds = security.server_credentials(pki["server_cert"], pki["server_key"], client_ca=pki["ca"])
+    draft = await start_worker("draft", "tiny:seed=0", credentials=worker_creds)
+    target = await start_worker("target", "tiny:seed=0", credentials=worker_creds)
+    cfg = OrchestratorConfig(f"127.0.0.1:{draft[0].port}", f"127.0.0.1:{target[0].port}", "tiny:seed=0",
+                             tls_cert=pki["server_cert"], tls_key=pki["server_key"], auth_tokens=("s3cret",),
+                             worker_ca=pki["ca"], worker_client_cert=pki["client_cert"],
+                             worker_client_key=pki["client_key"], worker_server_name="specdec-worker",
+                             connect_timeout_s=10)
+    handle, orch, backends = await start_orchestrator(cfg)
+    client_creds = grpc.ssl_channel_credentials(root_certificates=Path(pki["ca"]).read_bytes())
+    try:
+        async with grpc.aio.secure_channel(f"localhost:{handle.port}", client_creds) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            ok = await stub.Generate(request(prompt_ids=[1, 2, 3], max_new_tokens=8),
+                                     metadata=(("authorization", "Bearer s3cret"),), timeout=30)
+            assert list(ok.token_ids) == reference_greedy([1, 2, 3], 8)
+            for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Generate(request(prompt_ids=[1], max_new_tokens=2), metadata=metadata, timeout=10)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.GenerateStream(request(prompt_ids=[1], max_new_tokens=2), timeout=10):
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+        # Plaintext to the TLS API fails; a worker refuses a client without a certificate (mTLS).
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as plain:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await orchestrator_pb2_grpc.OrchestratorStub(plain).Generate(request(prompt_ids=[1], max_new_tokens=2),
+                                                                             timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        no_cert = grpc.ssl_channel_credentials(root_certificates=Path(pki["ca"]).read_bytes())
+        async with grpc.aio.secure_channel(f"localhost:{target[0].port}", no_cert) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        for backend in backends:
+            await backend.close()
+        await handle.stop(0)
+        for h, servicer in (draft, target):
+            await h.stop(0)
+            servicer.close()
+
+
+def test_no_pickle_on_the_wire_or_in_weight_loading() -> None:
+    sources = [p for pkg in ("specdec", "draft_worker", "target_worker", "orchestrator")
+               for p in (ROOT / pkg).rglob("*.py") if "/v1/" not in str(p)]
+    for path in sources:
+        text = path.read_text()
+        assert "import pickle" not in text and "torch.load(" not in text, path
+    models = (ROOT / "specdec" / "models.py").read_text()
+    assert '"use_safetensors": None if gguf else True' in models
