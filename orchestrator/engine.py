@@ -378,7 +378,9 @@ class GenerationEngine:
                     draft_ms, draft_prefilled = reply.compute_ms, reply.prefilled_tokens
                     stats.draft_ms += reply.compute_ms
                     if reply.prefilled_tokens <= 1:  # steady state only; prefill is not per-token cost
-                        session.stats.timing.observe_draft(len(drafts), reply.compute_ms)
+                        # An early stop ran one more forward than it returned tokens.
+                        forwards = len(drafts) + (1 if len(drafts) < k else 0)
+                        session.stats.timing.observe_draft(forwards, reply.compute_ms)
             stats.fallback_rounds += int(fallback)
             verify = await self._verify(session, canonical, drafts, q_payload, sampling, deadline, stats)
             stats.verify_ms += verify.compute_ms

@@ -134,45 +134,34 @@ class ReplicaPool(Generic[B]):
                 await closer()
 
 
-class RoutedDraft:
-    """DraftBackend that forwards each call to the session's draft replica."""
+class _Routed:
+    """Forwards each call to the session's replica in a pool (shared by both roles)."""
 
     def __init__(self, pool: ReplicaPool[Any]) -> None:
         self.pool = pool
 
     def node_for(self, session_id: str) -> str:
         return self.pool.ring.node_for(session_id)
+
+    async def end_session(self, session_id: str) -> bool:
+        return await self.pool.backend_for(session_id).end_session(session_id)
+
+    async def describe(self, timeout_s: float | None = None) -> Any:
+        return await self.pool.any_backend().describe(timeout_s)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+
+class RoutedDraft(_Routed):
+    """DraftBackend over a pool of draft replicas."""
 
     async def propose(self, session_id: str, *args: Any, **kwargs: Any) -> Any:
         return await self.pool.backend_for(session_id).propose(session_id, *args, **kwargs)
 
-    async def end_session(self, session_id: str) -> bool:
-        return await self.pool.backend_for(session_id).end_session(session_id)
 
-    async def describe(self, timeout_s: float | None = None) -> Any:
-        return await self.pool.any_backend().describe(timeout_s)
-
-    async def close(self) -> None:
-        await self.pool.close()
-
-
-class RoutedTarget:
-    """TargetBackend that forwards each call to the session's target replica."""
-
-    def __init__(self, pool: ReplicaPool[Any]) -> None:
-        self.pool = pool
-
-    def node_for(self, session_id: str) -> str:
-        return self.pool.ring.node_for(session_id)
+class RoutedTarget(_Routed):
+    """TargetBackend over a pool of target replicas."""
 
     async def verify(self, session_id: str, *args: Any, **kwargs: Any) -> Any:
         return await self.pool.backend_for(session_id).verify(session_id, *args, **kwargs)
-
-    async def end_session(self, session_id: str) -> bool:
-        return await self.pool.backend_for(session_id).end_session(session_id)
-
-    async def describe(self, timeout_s: float | None = None) -> Any:
-        return await self.pool.any_backend().describe(timeout_s)
-
-    async def close(self) -> None:
-        await self.pool.close()

@@ -190,10 +190,13 @@ def simulate(replica: list[tuple[list[int], list[float]]], timing: TimingFit, ma
             accepted = 0
             while accepted < drafted and match[j + accepted] == 1:
                 accepted += 1
-            round_ms = (drafted * timing.draft_ms_per_token + timing.verify_ms(drafted)
-                        + timing.rpc_overhead_ms * (2 if drafted else 1))
-            if drafted:
-                stats.timing.observe_draft(drafted, drafted * timing.draft_ms_per_token)
+            # An early stop still ran the forward whose token fell below min_draft_prob (and, at the
+            # first position, a whole draft call that proposed nothing).
+            forwards = drafted + (1 if drafted < k else 0)
+            round_ms = (forwards * timing.draft_ms_per_token + timing.verify_ms(drafted)
+                        + timing.rpc_overhead_ms * (2 if k else 1))
+            if forwards:
+                stats.timing.observe_draft(forwards, forwards * timing.draft_ms_per_token)
             stats.timing.observe_verify(drafted, timing.verify_ms(drafted))
             stats.timing.observe_rtt(timing.rpc_overhead_ms)
             stats.observe_round(drafted, accepted, round_ms)

@@ -150,3 +150,20 @@ async def test_new_sessions_start_from_their_worker_pair_prior() -> None:
         assert set(prior.timing.verify_by_k) <= set(fresh.timing.verify_by_k)
     finally:
         await stack.close()
+
+
+def test_early_stop_is_charged_for_the_forward_it_ran() -> None:
+    """A round stopped at the first position by low confidence still paid one draft forward and the
+    draft call; the replay must charge it, or it overrates early stopping."""
+    recorded = [trace("c", i + 1, 2, 0) for i in range(6)]  # every first draft rejected (confidence 0.2)
+    data = simulator.build(recorded)
+    world = simulator.impute(data, __import__("random").Random(0))
+    from specdec.kpolicy import FixedPolicy
+    t = data.timing
+    stopped = simulator.simulate(world, t, lambda: FixedPolicy(2), 2, 2, 0.5)
+    assert stopped.drafted == 0 and stopped.rounds == 6
+    # The last round cannot draft (budget), so 5 rounds paid a draft forward and both calls.
+    per_round = t.draft_ms_per_token + t.verify_ms(0) + 2 * t.rpc_overhead_ms
+    assert stopped.time_ms == pytest.approx(5 * per_round + t.verify_ms(0) + t.rpc_overhead_ms)
+    target_only = simulator.simulate(world, t, lambda: FixedPolicy(0), 0, 0, 0.0)
+    assert stopped.time_ms > target_only.time_ms

@@ -32,6 +32,19 @@ async def health_of(channel: grpc.aio.Channel, service: str = "") -> int:
     return reply.status
 
 
+async def stream_with_fault(stub, req, fault, after_tokens: int = 1):
+    """Stream a request and inject `fault` (an async callable) once after_tokens have arrived."""
+    ids, last, injected = [], None, False
+    async for chunk in stub.GenerateStream(req, timeout=120):
+        ids.extend(chunk.token_ids)
+        last = chunk
+        if not injected and len(ids) >= after_tokens:
+            injected = True
+            await fault()
+    assert injected
+    return ids, last
+
+
 async def wait_until(predicate, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -52,16 +65,14 @@ async def test_draft_process_killed_mid_stream_falls_back_and_recovers(tmp_path)
     procs = [draft_proc]
     try:
         want = reference_greedy(PROMPT, 400)
-        ids, last, killed = [], None, False
-        async for chunk in stub.GenerateStream(request(prompt_ids=PROMPT, max_new_tokens=400,
-                                                       speculation={"fixed_k": 3}), timeout=120):
-            ids.extend(chunk.token_ids)
-            last = chunk
-            if not killed and len(ids) >= 20:
-                draft_proc.kill()  # SIGKILL: no goodbye
-                draft_proc.wait(10)
-                killed = True
-        assert killed and ids == want  # completed, no error, identical to target-only greedy
+
+        async def kill_draft() -> None:
+            draft_proc.kill()  # SIGKILL: no goodbye
+            await asyncio.to_thread(draft_proc.wait, 10)
+
+        ids, last = await stream_with_fault(stub, request(prompt_ids=PROMPT, max_new_tokens=400,
+                                                          speculation={"fixed_k": 3}), kill_draft, after_tokens=20)
+        assert ids == want  # completed, no error, identical to target-only greedy
         assert last.stats.fallback_rounds > 0 and last.stats.draft_tokens > 0
         assert await health_of(channel, DRAFT_HEALTH_NAME) == NOT_SERVING   # degraded ...
         assert await health_of(channel) == SERVING                           # ... but serving
@@ -286,16 +297,14 @@ async def test_sigterm_drains_in_flight_requests(tmp_path) -> None:
     stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
     try:
         want = reference_greedy(PROMPT, 2000)
-        ids, last, signalled = [], None, False
-        async for chunk in stub.GenerateStream(request(prompt_ids=PROMPT, max_new_tokens=2000,
-                                                       speculation={"fixed_k": 0}), timeout=120):
-            ids.extend(chunk.token_ids)
-            last = chunk
-            if not signalled and ids:
-                proc.send_signal(signal.SIGTERM)
-                signalled = True
-                await asyncio.sleep(0.3)
-                assert await health_of(channel) == NOT_SERVING
+
+        async def sigterm() -> None:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            assert await health_of(channel) == NOT_SERVING  # while the stream is still running
+
+        ids, last = await stream_with_fault(stub, request(prompt_ids=PROMPT, max_new_tokens=2000,
+                                                          speculation={"fixed_k": 0}), sigterm)
         assert ids == want and last.finish_reason == orchestrator_pb2.FINISH_REASON_LENGTH
         assert await asyncio.to_thread(proc.wait, 30) == 0  # drained, then exited on its own
     finally:
