@@ -36,7 +36,9 @@ class System:
     modes: tuple[str, ...] = ("greedy", "sampled")
 
 
-def systems() -> list[System]:
+def systems(all_in_both_modes: bool = False) -> list[System]:
+    """The default grid runs a subset in sampled mode (to keep a real run near 20 minutes on 2 cores);
+    `--all-systems` runs every system in both modes."""
     out = [
         System("target-only (service, k=0)", "service", {"fixed_k": 0, "min_draft_prob": 0.0}, fixed_k=0),
         System("target-only (HF in-process)", "hf-plain"),
@@ -55,6 +57,8 @@ def systems() -> list[System]:
         System("service heuristic", "service", {"policy": "heuristic", "min_draft_prob": 0.0}, modes=("greedy",)),
         System("service bandit (server config)", "service", {"policy": "bandit"}),
     ]
+    if all_in_both_modes:
+        out = [System(x.name, x.kind, x.speculation, x.hf, x.fixed_k, ("greedy", "sampled")) for x in out]
     return out
 
 
@@ -166,7 +170,7 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def summarize(runs: list[Run], mode: str) -> dict[str, Any]:
+def summarize(runs: list[Run], mode: str, plan: list[System] | None = None) -> dict[str, Any]:
     by_system: dict[str, list[Run]] = {}
     for r in runs:
         if r.mode == mode:
@@ -185,7 +189,7 @@ def summarize(runs: list[Run], mode: str) -> dict[str, Any]:
     accepted = sum(r.accepted for r in fixed)
     a = accepted / (accepted + rejections) if accepted + rejections else 0.0
     rows = []
-    systems_by_name = {s.name: s for s in systems()}
+    systems_by_name = {s.name: s for s in (plan or systems())}
     for name, rs in by_system.items():
         tps = [r.tokens_per_s for r in rs]
         speedups = [r.tokens_per_s / baseline[r.prompt].tokens_per_s for r in rs if r.prompt in baseline]
@@ -322,11 +326,10 @@ def plots(summaries: list[dict[str, Any]], runs: list[Run], out_dir: Path) -> li
 # ----------------------------------------------------------------------------- main
 
 async def _run_all(address: str, hf: HFRunner, prompts: list[dict], modes: list[str], max_new: int,
-                   progress: Any) -> list[Run]:
+                   progress: Any, plan: list[System]) -> list[Run]:
     import grpc
     from specdec.v1 import orchestrator_pb2_grpc
     runs: list[Run] = []
-    plan = systems()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         # Warm-up: page in every model's weights before anything is timed.
@@ -364,6 +367,8 @@ def main(argv: list[str] | None = None) -> None:
                         "configs/embedded-pair-cpu.toml)")
     parser.add_argument("--out", default=str(ROOT / "bench-out"))
     parser.add_argument("--smoke", action="store_true", help="tiny random models, 3 prompts, 12 tokens (CI)")
+    parser.add_argument("--all-systems", action="store_true", help="every system in both modes (default: a "
+                        "subset in sampled mode)")
     args = parser.parse_args(argv)
 
     from tqdm import tqdm
@@ -395,12 +400,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"bench: target {args.target}, draft {args.draft} ({draft_dtype}), {len(chosen)} prompts, "
           f"{args.max_new_tokens} new tokens, modes {modes}, config {config}")
     hf = HFRunner(args.target, args.draft, draft_dtype)
-    total = sum(len(chosen) for mode in modes for s in systems() if mode in s.modes)
+    plan = systems(args.all_systems)
+    total = sum(len(chosen) for mode in modes for s in plan if mode in s.modes)
     orch_args = ["--log-level", "WARNING", "--max-k", "8"] + (["--config", config] if config else [])
     started = time.time()
     with local_services(args.target, args.draft, 0, orch_args) as address, tqdm(total=total, unit="run") as progress:
-        runs = asyncio.run(_run_all(address, hf, chosen, modes, args.max_new_tokens, progress))
-    summaries = [summarize(runs, mode) for mode in modes]
+        runs = asyncio.run(_run_all(address, hf, chosen, modes, args.max_new_tokens, progress, plan))
+    summaries = [summarize(runs, mode, plan) for mode in modes]
     report = {
         "command": "specdec bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
