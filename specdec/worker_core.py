@@ -62,6 +62,19 @@ class WorkerCounters:
     cache_mismatches: int = 0
 
 
+def estimate_kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """2 (K and V) x layers x KV heads x head dim x element size; 0 if the config does not say."""
+    cfg = getattr(model, "config", None)
+    try:
+        layers = cfg.num_hidden_layers
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        element = next(model.parameters()).element_size()
+    except (AttributeError, StopIteration, TypeError, ZeroDivisionError):
+        return 0
+    return int(2 * layers * heads * head_dim * element)
+
+
 def validate_session_id(session_id: str) -> None:
     if not session_id:
         raise InvalidRequest("session_id is required")
@@ -80,7 +93,10 @@ class WorkerCore:
         self.store: SessionStore[WorkerSession] = SessionStore(limits.max_bytes, limits.ttl_s,
                                                                limits.max_sessions)
         self.counters = WorkerCounters()
-        self._bytes_per_token = 0  # measured on first forward
+        # Estimated from the config so that even the first request is checked against the budget;
+        # replaced by the measured value after the first forward.
+        self._bytes_per_token = estimate_kv_bytes_per_token(loaded.model)
+        self._measured_bytes = False
 
     # ------------------------------------------------------------------ validation
     def check_tokens(self, tokens: Sequence[int], what: str) -> None:
@@ -124,8 +140,9 @@ class WorkerCore:
         out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True)
         session.tokens.extend(tokens)
         self.counters.fed_tokens += len(tokens)
-        if not self._bytes_per_token and session.tokens:
+        if not self._measured_bytes and session.tokens and session.nbytes():
             self._bytes_per_token = max(1, session.nbytes() // len(session.tokens))
+            self._measured_bytes = True
         # Sampling and verification run on the CPU in float32/64: [k+1, V] logits are small.
         return out.logits[0].float().cpu()
 

@@ -313,3 +313,17 @@ async def test_sigterm_drains_in_flight_requests(tmp_path) -> None:
         for handle, servicer in ((draft_handle, draft), (target_handle, target)):
             await handle.stop(0)
             servicer.close()
+
+
+async def test_fresh_worker_checks_the_budget_on_its_first_request() -> None:
+    from specdec.worker_core import estimate_kv_bytes_per_token
+    from tests.stack import cached_model
+    assert estimate_kv_bytes_per_token(cached_model("tiny:seed=0").model) == 512  # 2 x 2 layers x 2 heads x 16 x 4 B
+    stack = await start_stack(worker_limits=StoreLimits(max_bytes=32 * 1024, ttl_s=600))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stack.generate(prompt_ids=[5] * 200, max_new_tokens=4)  # 200 x 512 B > 32 KiB
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert stack.target.core.store.total_bytes() == 0  # rejected before any KV was allocated
+    finally:
+        await stack.close()
