@@ -53,7 +53,8 @@ def systems(all_in_both_modes: bool = False) -> list[System]:
                           modes=("greedy", "sampled") if k in (2, 4) else ("greedy",)))
     out += [
         System("service cost (server config)", "service", {"policy": "cost"}),
-        System("service cost (p_min=0)", "service", {"policy": "cost", "min_draft_prob": 0.0}, modes=("greedy",)),
+        System("service cost (early stop p_min=0.6)", "service", {"policy": "cost", "min_draft_prob": 0.6},
+               modes=("greedy",)),
         System("service heuristic", "service", {"policy": "heuristic", "min_draft_prob": 0.0}, modes=("greedy",)),
         System("service bandit (server config)", "service", {"policy": "bandit"}),
     ]
