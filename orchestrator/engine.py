@@ -192,7 +192,8 @@ class GenerationEngine:
         self.eos_ids = set(target_info.eos_token_ids)
         self.speculation = speculation
         self.limits = limits
-        self.draft_health = DraftHealth()
+        # Backoff per draft replica: one dead replica must not stop speculation for the others.
+        self.draft_health: dict[str, DraftHealth] = {}
         # Called with True when the draft becomes unusable and False when it recovers.
         self.on_draft_health: Callable[[bool], Awaitable[None]] | None = None
         # Priors per (draft replica, target replica) pair: a new session starts from what recent
@@ -362,7 +363,7 @@ class GenerationEngine:
             remaining = params.max_new_tokens - len(generated)
             # A round yields up to k+1 tokens: never draft past the budget.
             k = max(0, min(policy.next_k(session.stats, min_k, max_k), remaining - 1))
-            use_draft = k > 0 and self.draft_health.usable()
+            use_draft = k > 0 and self._draft_health_for(session.session_id).usable()
             drafts: list[int] = []
             draft_probs: list[float] = []
             q_payload = None
@@ -470,8 +471,8 @@ class GenerationEngine:
             except (WorkerUnavailable, DeadlineExceeded) as exc:
                 deadline.remaining()  # our own deadline passing is the caller's error, not a fallback
                 log.warning("draft worker unavailable (%s); falling back to target-only", exc)
-                was_degraded = self.draft_health.degraded
-                self.draft_health.failed()
+                was_degraded = self.draft_degraded
+                self._draft_health_for(session.session_id).failed()
                 view.reset()
                 if not was_degraded:
                     await self._report_draft_health(True)
@@ -481,14 +482,32 @@ class GenerationEngine:
                 log.warning("draft worker over capacity (%s); this round runs target-only", exc)
                 view.reset()
                 return None
-            if self.draft_health.degraded:
+            health = self._draft_health_for(session.session_id)
+            recovered = health.degraded
+            health.succeeded()
+            if recovered and not self.draft_degraded:
                 await self._report_draft_health(False)
-            self.draft_health.succeeded()
             stats.bytes_to_draft += reply.bytes_sent
             stats.bytes_from_draft += reply.bytes_received
             view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), reply.tokens, reply.cache_len)
             return reply
         return None
+
+    @property
+    def draft_degraded(self) -> bool:
+        """True while any draft replica is in backoff (reported as the health entry .../draft)."""
+        return any(h.degraded for h in self.draft_health.values())
+
+    def _draft_health_for(self, session_id: str) -> DraftHealth:
+        try:
+            node = getattr(self.draft, "node_for", lambda _: "draft")(session_id)
+        except SpecdecError:
+            node = "unrouted"
+        if node not in self.draft_health:
+            if len(self.draft_health) >= 1024:  # bounded: replicas come and go
+                self.draft_health.pop(next(iter(self.draft_health)))
+            self.draft_health[node] = DraftHealth()
+        return self.draft_health[node]
 
     async def _report_draft_health(self, degraded: bool) -> None:
         if self.on_draft_health is not None:

@@ -251,3 +251,34 @@ def test_no_pickle_on_the_wire_or_in_weight_loading() -> None:
         assert "import pickle" not in text and "torch.load(" not in text, path
     models = (ROOT / "specdec" / "models.py").read_text()
     assert '"use_safetensors": None if gguf else True' in models
+
+
+async def test_one_dead_draft_replica_does_not_stop_speculation_elsewhere() -> None:
+    drafts = [await start_worker("draft", "tiny:seed=0,noise=0.01") for _ in range(2)]
+    target = await start_worker("target", "tiny:seed=0")
+    cfg = OrchestratorConfig(",".join(f"127.0.0.1:{h.port}" for h, _ in drafts), f"127.0.0.1:{target[0].port}",
+                             "tiny:seed=0", connect_timeout_s=10)
+    handle, orch, backends = await start_orchestrator(cfg)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
+    stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+    try:
+        dead = f"127.0.0.1:{drafts[0][0].port}"
+        await drafts[0][0].stop(0)
+        pool = orch.engine.draft.pool
+        on_dead = next(f"s{i}" for i in range(100) if pool.ring.node_for(f"s{i}") == dead)
+        on_live = next(f"s{i}" for i in range(100) if pool.ring.node_for(f"s{i}") != dead)
+        hit = await stub.Generate(request(prompt_ids=[1, 2], max_new_tokens=12, session_id=on_dead,
+                                          speculation={"fixed_k": 3}), timeout=30)
+        assert hit.stats.fallback_rounds > 0 and list(hit.token_ids) == reference_greedy([1, 2], 12)
+        assert orch.engine.draft_degraded
+        fine = await stub.Generate(request(prompt_ids=[1, 2], max_new_tokens=12, session_id=on_live,
+                                           speculation={"fixed_k": 3}), timeout=30)
+        assert fine.stats.fallback_rounds == 0 and fine.stats.draft_tokens > 0  # the other replica still drafts
+    finally:
+        await channel.close()
+        for backend in backends:
+            await backend.close()
+        await handle.stop(0)
+        for h, servicer in drafts + [target]:
+            await h.stop(0)
+            servicer.close()
