@@ -8,8 +8,8 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, TypeVar
 
 from orchestrator.backends import DraftBackend, TargetBackend, WorkerDescription
 from orchestrator.sessions import OrchestratorSession, OrchestratorSessions, WorkerView
@@ -17,7 +17,7 @@ from orchestrator.text import TextAssembler
 from orchestrator.traces import RoundTrace, TraceWriter
 from specdec.errors import (CacheMismatch, CapacityExceeded, DeadlineExceeded, InvalidRequest, SessionBusy,
                             SessionNotFound, SpecdecError, WorkerUnavailable)
-from specdec.kpolicy import POLICY_NAMES, KPolicy, PolicyParams, SessionStats, make_policy
+from specdec.kpolicy import POLICY_NAMES, KPolicy, PolicyParams, SessionStats, draft_forwards, make_policy
 from specdec.models import Tokenizer
 from specdec.sampling import SamplingConfig
 from specdec.worker_core import MAX_SESSION_ID_LEN
@@ -34,19 +34,18 @@ class SpeculationConfig:
     policy: str = "cost"
     min_k: int = 0
     max_k: int = 8
-    fixed_k: int = 4
     # Within-round early stop: the draft stops when its probability of its own token is below this.
     min_draft_prob: float = 0.0
-    heuristic_initial_k: int = 4
-    probe_every: int = 16
-    bandit_exploration: float = 0.3
-    bandit_prior_weight: float = 2.0
+    # Policy parameters, flat for the TOML table; their defaults live in PolicyParams.
+    fixed_k: int = PolicyParams.fixed_k
+    heuristic_initial_k: int = PolicyParams.heuristic_initial_k
+    probe_every: int = PolicyParams.probe_every
+    bandit_exploration: float = PolicyParams.bandit_exploration
+    bandit_prior_weight: float = PolicyParams.bandit_prior_weight
 
     def policy_params(self, fixed_k: int | None = None) -> PolicyParams:
-        return PolicyParams(fixed_k=self.fixed_k if fixed_k is None else fixed_k,
-                            heuristic_initial_k=self.heuristic_initial_k, probe_every=self.probe_every,
-                            bandit_exploration=self.bandit_exploration,
-                            bandit_prior_weight=self.bandit_prior_weight)
+        params = PolicyParams(**{f.name: getattr(self, f.name) for f in fields(PolicyParams)})
+        return params if fixed_k is None else replace(params, fixed_k=fixed_k)
 
 
 @dataclass(frozen=True)
@@ -178,6 +177,19 @@ class Deadline:
         return left
 
 
+V = TypeVar("V")
+MAX_REPLICA_ENTRIES = 1024  # per-replica state is bounded: replicas come and go with scaling
+
+
+def _bounded_entry(entries: dict[str, V], key: str, make: Callable[[], V]) -> V:
+    """entries[key], created on first use; the oldest entry goes when the map is full."""
+    if key not in entries:
+        if len(entries) >= MAX_REPLICA_ENTRIES:
+            entries.pop(next(iter(entries)))
+        entries[key] = make()
+    return entries[key]
+
+
 class GenerationEngine:
     def __init__(self, draft: DraftBackend, target: TargetBackend, tokenizer: Tokenizer,
                  target_info: WorkerDescription, speculation: SpeculationConfig = SpeculationConfig(),
@@ -285,21 +297,19 @@ class GenerationEngine:
                 log.warning("end_session %s: %s", session_id, exc)
         return existed
 
-    def pair_key(self, session_id: str) -> str:
+    @staticmethod
+    def _replica(backend: Any, role: str, session_id: str) -> str:
+        """The replica a session is routed to (the role name for an unrouted backend)."""
         try:
-            draft = getattr(self.draft, "node_for", lambda _: "draft")(session_id)
-            target = getattr(self.target, "node_for", lambda _: "target")(session_id)
+            return getattr(backend, "node_for", lambda _: role)(session_id)
         except SpecdecError:
             return "unrouted"
-        return f"{draft}|{target}"
+
+    def pair_key(self, session_id: str) -> str:
+        return f"{self._replica(self.draft, 'draft', session_id)}|{self._replica(self.target, 'target', session_id)}"
 
     def prior_for(self, session_id: str) -> SessionStats:
-        key = self.pair_key(session_id)
-        if key not in self.priors:
-            if len(self.priors) >= 1024:  # bounded: pairs come and go with scaling
-                self.priors.pop(next(iter(self.priors)))
-            self.priors[key] = SessionStats()
-        return self.priors[key]
+        return _bounded_entry(self.priors, self.pair_key(session_id), SessionStats)
 
     def _input_tokens(self, session: OrchestratorSession, params: GenerateParams) -> list[int]:
         """Canonical token list after appending this request's input to the session."""
@@ -379,9 +389,7 @@ class GenerationEngine:
                     draft_ms, draft_prefilled = reply.compute_ms, reply.prefilled_tokens
                     stats.draft_ms += reply.compute_ms
                     if reply.prefilled_tokens <= 1:  # steady state only; prefill is not per-token cost
-                        # An early stop ran one more forward than it returned tokens.
-                        forwards = len(drafts) + (1 if len(drafts) < k else 0)
-                        session.stats.timing.observe_draft(forwards, reply.compute_ms)
+                        session.stats.timing.observe_draft(draft_forwards(k, len(drafts)), reply.compute_ms)
             stats.fallback_rounds += int(fallback)
             verify = await self._verify(session, canonical, drafts, q_payload, sampling, deadline, stats)
             stats.verify_ms += verify.compute_ms
@@ -438,13 +446,13 @@ class GenerationEngine:
 
         stats.new_tokens = len(generated)
         stats.total_ms = (time.perf_counter() - started) * 1000.0
-        self._observe_overhead(prior, session.stats, stats)
+        self._carry_timing_to_prior(prior, session.stats, stats)
         if session.messages and params.messages is not None:
             session.messages.append({"role": "assistant", "content": text.emitted})
         yield GenerationEvent(delta, new_tokens, finish, stats, session_id="" if session.ephemeral else sid)
 
     @staticmethod
-    def _observe_overhead(prior: SessionStats, session_stats: SessionStats, stats: GenerationStats) -> None:
+    def _carry_timing_to_prior(prior: SessionStats, session_stats: SessionStats, stats: GenerationStats) -> None:
         # The latest session's timings become the prior of new sessions on this worker pair.
         if stats.rounds:
             prior.timing = copy.deepcopy(session_stats.timing)
@@ -499,15 +507,7 @@ class GenerationEngine:
         return any(h.degraded for h in self.draft_health.values())
 
     def _draft_health_for(self, session_id: str) -> DraftHealth:
-        try:
-            node = getattr(self.draft, "node_for", lambda _: "draft")(session_id)
-        except SpecdecError:
-            node = "unrouted"
-        if node not in self.draft_health:
-            if len(self.draft_health) >= 1024:  # bounded: replicas come and go
-                self.draft_health.pop(next(iter(self.draft_health)))
-            self.draft_health[node] = DraftHealth()
-        return self.draft_health[node]
+        return _bounded_entry(self.draft_health, self._replica(self.draft, "draft", session_id), DraftHealth)
 
     async def _report_draft_health(self, degraded: bool) -> None:
         if self.on_draft_health is not None:

@@ -65,6 +65,12 @@ async def resolve(name_port: str) -> list[str]:
     return sorted(addresses)
 
 
+async def _close(backend: Any) -> None:
+    closer = getattr(backend, "close", None)
+    if closer is not None:
+        await closer()
+
+
 class ReplicaPool(Generic[B]):
     """Backends for one role, one per discovered replica, chosen per session by the ring."""
 
@@ -89,10 +95,7 @@ class ReplicaPool(Generic[B]):
                 self.backends[address] = self._make(address)
         removed = [a for a in self.backends if a not in addresses]
         for address in removed:
-            backend = self.backends.pop(address)
-            closer = getattr(backend, "close", None)
-            if closer is not None:
-                asyncio.get_running_loop().create_task(closer())
+            asyncio.get_running_loop().create_task(_close(self.backends.pop(address)))
         log.info("%s replicas: %s", self.role, ", ".join(addresses) or "none")
         self.ring.set_nodes(addresses)
 
@@ -129,9 +132,7 @@ class ReplicaPool(Generic[B]):
         if self._task is not None:
             self._task.cancel()
         for backend in self.backends.values():
-            closer = getattr(backend, "close", None)
-            if closer is not None:
-                await closer()
+            await _close(backend)
 
 
 class _Routed:

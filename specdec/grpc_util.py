@@ -112,9 +112,8 @@ class ServerHandle:
         self.metrics_port: int | None = None
 
     async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self.services]:
-            await self.health.set(name, status)
+            await self.set_status(name, serving)
 
     async def set_status(self, name: str, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

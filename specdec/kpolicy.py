@@ -115,6 +115,12 @@ class SessionStats:
         self.acceptance.update(accepted / trials)
 
 
+def draft_forwards(k: int, drafted: int) -> int:
+    """Forward passes a draft call ran for `drafted` of k tokens: an early stop also ran the forward
+    whose token fell below min_draft_prob (and at the first position, a call that proposed nothing)."""
+    return drafted + (1 if drafted < k else 0)
+
+
 def expected_tokens(a: float, k: int) -> float:
     """E(k) = (1 - a^(k+1)) / (1 - a): tokens produced per round (accepted + correction/bonus)."""
     if k <= 0:

@@ -29,7 +29,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from specdec.kpolicy import KPolicy, SessionStats
+from specdec.kpolicy import KPolicy, SessionStats, draft_forwards
 
 
 @dataclass
@@ -95,14 +95,12 @@ def build(traces: Sequence) -> TraceData:
             by_session[t.session] = Episode()
             episodes.append(by_session[t.session])
         ep = by_session[t.session]
-        for i in range(t.accepted):
-            ep.match.append(1)
+        pattern = t.pattern
+        for i, match in enumerate(pattern):
+            ep.match.append(match)
             ep.confidence.append(t.draft_probs[i] if i < len(t.draft_probs) else None)
-        if t.accepted < t.drafted:
-            ep.match.append(0)
-            ep.confidence.append(t.draft_probs[t.accepted] if t.accepted < len(t.draft_probs) else None)
-        else:
-            ep.match.append(None)  # bonus token or target-only round: the draft was never asked
+        if len(pattern) == t.accepted:  # no rejection: a bonus token or target-only round, never drafted
+            ep.match.append(None)
             ep.confidence.append(None)
         if t.draft_prefilled <= 1 and t.target_prefilled <= 1 and not t.fallback:
             if t.drafted > 0:
@@ -190,9 +188,7 @@ def simulate(replica: list[tuple[list[int], list[float]]], timing: TimingFit, ma
             accepted = 0
             while accepted < drafted and match[j + accepted] == 1:
                 accepted += 1
-            # An early stop still ran the forward whose token fell below min_draft_prob (and, at the
-            # first position, a whole draft call that proposed nothing).
-            forwards = drafted + (1 if drafted < k else 0)
+            forwards = draft_forwards(k, drafted)
             round_ms = (forwards * timing.draft_ms_per_token + timing.verify_ms(drafted)
                         + timing.rpc_overhead_ms * (2 if k else 1))
             if forwards:

@@ -29,7 +29,6 @@ class Candidate:
 
 
 def grid(max_k: int, p_mins: list[float]) -> list[Candidate]:
-    base = PolicyParams()
     out = [Candidate("fixed", PolicyParams(fixed_k=k), 0.0) for k in range(0, max_k + 1)]
     variants = ([("heuristic", PolicyParams(heuristic_initial_k=k)) for k in (2, 4, 6)]
                 + [("cost", PolicyParams(probe_every=n)) for n in (8, 16, 32)]
@@ -39,7 +38,6 @@ def grid(max_k: int, p_mins: list[float]) -> list[Candidate]:
         out.append(Candidate(name, params, p_min))
     for k, p_min in itertools.product(range(1, max_k + 1), [p for p in p_mins if p > 0]):
         out.append(Candidate("fixed", PolicyParams(fixed_k=k), p_min))
-    del base
     return out
 
 
