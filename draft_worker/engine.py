@@ -1,10 +1,11 @@
 """Draft engine: apply the commit, then draft up to k tokens (no grpc)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from specdec.errors import InvalidRequest
-from specdec.sampling import SamplingConfig, SparseDist, draft_sample
+from specdec.sampling import SamplingConfig, SeededRandomness, SparseDist, propose_tokens
 from specdec.worker_core import CallStats, Commit, WorkerCore
 
 MAX_K = 64
@@ -37,28 +38,31 @@ class DraftEngine:
     def propose(self, params: ProposeParams) -> ProposeResult:
         if not 0 <= params.k <= MAX_K:
             raise InvalidRequest(f"k must be in [0, {MAX_K}], got {params.k}")
+        if not 0.0 <= params.min_draft_prob <= 1.0:
+            raise InvalidRequest(f"min_draft_prob must be in [0, 1], got {params.min_draft_prob}")
         try:
             params.sampling.validate()
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         result = ProposeResult()
+        stats = result.stats
         with self.core.timed() as timer:
-            session, logits = self.core.begin(params.session_id, params.commit, (), result.stats)
-            last = logits[-1]
+            session, logits = self.core.begin(params.session_id, params.commit, (), stats)
+            # The commit's forward is catch-up (prefill, or the tokens the target just produced);
+            # timed apart so the orchestrator sees the per-token drafting cost on its own.
+            stats.catchup_ms = timer.elapsed_ms()
             position = len(session.tokens)
             # The context may not have room for k more tokens.
-            k = min(params.k, self.core.max_context - position)
-            for i in range(k):
-                token, prob, q = draft_sample(last, params.sampling, position + i, self.max_q_entries)
-                if params.min_draft_prob > 0 and prob < params.min_draft_prob:
-                    break  # low confidence: the target would likely reject; stop drafting here
-                result.tokens.append(token)
-                result.token_probs.append(prob)
-                if q is not None:
-                    result.q.append(q)
-                if i < k - 1:
-                    last = self.core.feed(session, [token])[-1]
-                    result.stats.fed_tokens += 1
+            k = max(0, min(params.k, self.core.max_context - position))
+
+            def feed(token: int):
+                stats.fed_tokens += 1
+                return self.core.feed(session, [token])[-1]
+
+            draft = propose_tokens(logits[-1], feed, k, params.sampling, position, self.max_q_entries,
+                                   params.min_draft_prob, SeededRandomness(params.sampling.seed))
+            result.tokens, result.q, result.token_probs = draft.tokens, draft.q, draft.token_probs
+            stats.draft_steps = draft.steps
             result.cache_len = len(session.tokens)
-        result.stats.compute_ms = timer.ms
+        stats.compute_ms = timer.ms
         return result

@@ -97,9 +97,13 @@ async def build_engine(cfg: OrchestratorConfig, observer: Any = None) -> tuple[G
     if draft_info.vocab_size != target_info.vocab_size:
         log.warning("draft vocab %d != target vocab %d (padding rows); ids beyond the tokenizer are never sampled",
                     draft_info.vocab_size, target_info.vocab_size)
+    if draft_info.max_context < target_info.max_context:
+        log.warning("draft context (%d) is shorter than the target's (%d): rounds past it run target-only",
+                    draft_info.max_context, target_info.max_context)
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer)
     tracer = TraceWriter(cfg.trace_file) if cfg.trace_file else None
-    engine = GenerationEngine(draft, target, tokenizer, target_info, cfg.speculation, cfg.limits, tracer, observer)
+    engine = GenerationEngine(draft, target, tokenizer, target_info, cfg.speculation, cfg.limits, tracer, observer,
+                              draft_info=draft_info)
     log.info("draft %s at %s, target %s at %s", draft_info.model_ref, cfg.draft_address,
              target_info.model_ref, cfg.target_address)
     return engine, draft, target

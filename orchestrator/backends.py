@@ -20,6 +20,8 @@ class DraftReply:
     compute_ms: float
     prefilled_tokens: int
     q_payload: Any = None           # opaque, forwarded to the target
+    catchup_ms: float = 0.0         # part of compute_ms that applied the commit
+    draft_steps: int = 0            # drafting forwards after the catch-up
     bytes_sent: int = 0
     bytes_received: int = 0
     wall_ms: float = 0.0

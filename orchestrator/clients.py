@@ -9,7 +9,7 @@ import grpc
 from orchestrator.backends import DraftReply, VerifyReply, WorkerDescription
 from specdec.convert import commit_to_pb, sampling_to_pb
 from specdec.errors import (CacheMismatch, CapacityExceeded, DeadlineExceeded, InvalidRequest,
-                            SessionNotFound, SpecdecError, WorkerUnavailable)
+                            SessionNotFound, SpecdecError, WorkerInternalError, WorkerUnavailable)
 from specdec.grpc_util import CHANNEL_OPTIONS
 from specdec.sampling import SamplingConfig
 from specdec.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -22,12 +22,14 @@ _ERRORS: dict[grpc.StatusCode, type[SpecdecError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityExceeded,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.UNAVAILABLE: WorkerUnavailable,
-    grpc.StatusCode.CANCELLED: WorkerUnavailable,
+    grpc.StatusCode.CANCELLED: WorkerUnavailable,  # a worker shutting down cancels its calls
 }
 
 
 def _domain_error(role: str, address: str, err: grpc.aio.AioRpcError) -> SpecdecError:
-    cls = _ERRORS.get(err.code(), WorkerUnavailable)
+    # Anything else (INTERNAL, UNKNOWN, UNIMPLEMENTED, UNAUTHENTICATED, ...) is a bug or a
+    # misconfiguration: retrying will not fix it and the worker is not down.
+    cls = _ERRORS.get(err.code(), WorkerInternalError)
     return cls(f"{role} worker at {address}: {err.code().name}: {err.details()}")
 
 
@@ -85,6 +87,7 @@ class GrpcDraftBackend(_WorkerClient):
         return DraftReply(tokens=list(reply.tokens), token_probs=list(reply.token_probs),
                           cache_len=reply.cache_len, compute_ms=reply.timing.compute_ms,
                           prefilled_tokens=reply.timing.prefilled_tokens, q_payload=reply.q,
+                          catchup_ms=reply.timing.catchup_ms, draft_steps=reply.timing.draft_steps,
                           bytes_sent=request.ByteSize(), bytes_received=reply.ByteSize(),
                           wall_ms=(time.perf_counter() - start) * 1000.0)
 

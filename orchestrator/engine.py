@@ -16,8 +16,8 @@ from orchestrator.sessions import OrchestratorSession, OrchestratorSessions, Wor
 from orchestrator.text import TextAssembler
 from orchestrator.traces import RoundTrace, TraceWriter
 from specdec.errors import (CacheMismatch, CapacityExceeded, DeadlineExceeded, InvalidRequest, SessionBusy,
-                            SessionNotFound, SpecdecError, WorkerUnavailable)
-from specdec.kpolicy import POLICY_NAMES, KPolicy, PolicyParams, SessionStats, draft_forwards, make_policy
+                            SessionNotFound, SpecdecError, WorkerInternalError, WorkerUnavailable)
+from specdec.kpolicy import POLICY_NAMES, KPolicy, PolicyParams, SessionStats, make_policy
 from specdec.models import Tokenizer
 from specdec.sampling import SamplingConfig
 from specdec.worker_core import MAX_SESSION_ID_LEN
@@ -194,8 +194,10 @@ class GenerationEngine:
     def __init__(self, draft: DraftBackend, target: TargetBackend, tokenizer: Tokenizer,
                  target_info: WorkerDescription, speculation: SpeculationConfig = SpeculationConfig(),
                  limits: EngineLimits = EngineLimits(), tracer: "TraceWriter | None" = None,
-                 observer: EngineObserver | None = None) -> None:
+                 observer: EngineObserver | None = None, draft_info: WorkerDescription | None = None) -> None:
         self.draft = draft
+        # A draft with a shorter context than the target cannot draft past it: those rounds run target-only.
+        self.draft_max_context = draft_info.max_context if draft_info else target_info.max_context
         self.tracer = tracer
         self.observer = observer or EngineObserver()
         self.target = target
@@ -288,7 +290,12 @@ class GenerationEngine:
         task.add_done_callback(self._background.discard)
 
     async def end_session(self, session_id: str) -> bool:
-        session = self.sessions.remove(session_id)
+        session = self.sessions.get(session_id)
+        if session is not None:
+            # Wait for a generation in flight on this session: ending it mid-round would let that
+            # round re-create worker caches for a session that no longer exists.
+            async with session.lock:
+                self.sessions.remove(session_id)
         existed = session is not None
         for backend in (self.draft, self.target):
             try:
@@ -344,20 +351,32 @@ class GenerationEngine:
 
     async def _generate_locked(self, session: OrchestratorSession, params: GenerateParams,
                                deadline: Deadline) -> AsyncIterator[GenerationEvent]:
+        """Runs one turn. If it fails or is cancelled, the session's canonical tokens and chat history
+        are left exactly as they were before the call, so a retry never sees the prompt twice."""
+        saved_tokens, saved_messages = list(session.tokens), list(session.messages)
+        completed = False
+        try:
+            async for event in self._run_turn(session, params, deadline):
+                if event.finish_reason is not None:
+                    completed = True
+                yield event
+        finally:
+            if not completed:
+                session.tokens, session.messages = saved_tokens, saved_messages
+
+    async def _run_turn(self, session: OrchestratorSession, params: GenerateParams,
+                        deadline: Deadline) -> AsyncIterator[GenerationEvent]:
         started = time.perf_counter()
         prior = self.prior_for(session.session_id)
         policy, min_k, max_k = self._resolve_policy(params.speculation)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         sampling = SamplingConfig(params.temperature, params.top_k, params.top_p, seed)
-        saved_messages = list(session.messages)
         canonical = self._input_tokens(session, params)
         prompt_len = len(canonical)
         if prompt_len + params.max_new_tokens > self.target_info.max_context:
-            session.messages = saved_messages
             raise InvalidRequest(f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
                                  f"exceeds the model context of {self.target_info.max_context}")
         stats = GenerationStats(seed=seed, prompt_tokens=prompt_len)
-        stats.cached_prompt_tokens = session.target_view.commit_for(canonical).cache_len
         session.tokens = canonical
         text = TextAssembler(self.tokenizer.decode, params.stop)
         generated: list[int] = []
@@ -373,11 +392,13 @@ class GenerationEngine:
             remaining = params.max_new_tokens - len(generated)
             # A round yields up to k+1 tokens: never draft past the budget.
             k = max(0, min(policy.next_k(session.stats, min_k, max_k), remaining - 1))
+            # Nor past the draft's context (a draft may have a shorter one than the target).
+            k = min(k, max(0, self.draft_max_context - position))
             use_draft = k > 0 and self._draft_health_for(session.session_id).usable()
             drafts: list[int] = []
             draft_probs: list[float] = []
             q_payload = None
-            draft_ms = 0.0
+            draft_ms = draft_token_ms = 0.0
             draft_prefilled = 0
             fallback = k > 0 and not use_draft
             if use_draft:
@@ -388,8 +409,7 @@ class GenerationEngine:
                     drafts, q_payload, draft_probs = reply.tokens, reply.q_payload, reply.token_probs
                     draft_ms, draft_prefilled = reply.compute_ms, reply.prefilled_tokens
                     stats.draft_ms += reply.compute_ms
-                    if reply.prefilled_tokens <= 1:  # steady state only; prefill is not per-token cost
-                        session.stats.timing.observe_draft(draft_forwards(k, len(drafts)), reply.compute_ms)
+                    draft_token_ms = self._observe_draft_timing(session.stats.timing, reply)
             stats.fallback_rounds += int(fallback)
             verify = await self._verify(session, canonical, drafts, q_payload, sampling, deadline, stats)
             stats.verify_ms += verify.compute_ms
@@ -419,10 +439,10 @@ class GenerationEngine:
                     drafted=len(drafts), accepted=accepted, draft_probs=[round(p, 5) for p in draft_probs],
                     draft_ms=round(draft_ms, 3), verify_ms=round(verify.compute_ms, 3), round_ms=round(round_ms, 3),
                     draft_prefilled=draft_prefilled, target_prefilled=verify.prefilled_tokens,
-                    greedy=sampling.greedy, fallback=fallback))
+                    greedy=sampling.greedy, fallback=fallback,
+                    draft_token_ms=round(draft_token_ms, 3)))
 
-            new_tokens = drafts[:accepted] + [verify.next_token]
-            new_tokens = new_tokens[:remaining]
+            new_tokens = (drafts[:accepted] + [verify.next_token])[:remaining]
             for i, token in enumerate(new_tokens):
                 if token in self.eos_ids:
                     new_tokens = new_tokens[:i + 1]
@@ -452,6 +472,20 @@ class GenerationEngine:
         yield GenerationEvent(delta, new_tokens, finish, stats, session_id="" if session.ephemeral else sid)
 
     @staticmethod
+    def _observe_draft_timing(timing: Any, reply: Any) -> float:
+        """Per-token drafting cost from the forwards after the commit's catch-up forward, so a round
+        that prefilled, or caught up two tokens after a fully accepted round, still measures it.
+        Returns that cost (0 when the round had no drafting forward)."""
+        if reply.draft_steps > 0:
+            per_token = max(0.0, reply.compute_ms - reply.catchup_ms) / reply.draft_steps
+            timing.observe_draft(1, per_token)
+            return per_token
+        if reply.catchup_ms == 0.0 and reply.prefilled_tokens <= 1 and reply.tokens:
+            # A worker that predates the split: the whole call, steady-state rounds only.
+            timing.observe_draft(len(reply.tokens), reply.compute_ms)
+        return 0.0
+
+    @staticmethod
     def _carry_timing_to_prior(prior: SessionStats, session_stats: SessionStats, stats: GenerationStats) -> None:
         # The latest session's timings become the prior of new sessions on this worker pair.
         if stats.rounds:
@@ -460,7 +494,11 @@ class GenerationEngine:
     async def _propose(self, session: OrchestratorSession, canonical: list[int], k: int,
                        sampling: SamplingConfig, min_draft_prob: float, deadline: Deadline,
                        stats: GenerationStats):
-        """Ask the draft for k tokens; None if the draft is unavailable (the round runs target-only)."""
+        """Ask the draft for k tokens; None if the draft cannot serve this round (it runs target-only).
+
+        Speculation is optional, so a draft failure never fails the request: it costs this round its
+        drafts. Only an outage (UNAVAILABLE, a draft timeout) puts the draft replica into backoff.
+        """
         view = session.draft_view
         for attempt in range(2):
             commit = view.commit_for(canonical)
@@ -481,14 +519,18 @@ class GenerationEngine:
                 log.warning("draft worker unavailable (%s); falling back to target-only", exc)
                 was_degraded = self.draft_degraded
                 self._draft_health_for(session.session_id).failed()
-                view.reset()
+                # Whether or not the call ran, the draft still holds the committed prefix: keep it, so
+                # one slow round does not cost a re-prefill of the whole prefix.
+                view.keep(commit.cache_len)
                 if not was_degraded:
                     await self._report_draft_health(True)
                 return None
-            except CapacityExceeded as exc:
-                # The draft cannot hold this session (KV budget): speculation is optional, carry on.
-                log.warning("draft worker over capacity (%s); this round runs target-only", exc)
-                view.reset()
+            except (CapacityExceeded, InvalidRequest, WorkerInternalError) as exc:
+                # Over its KV budget, a request this draft cannot serve (e.g. its context is shorter),
+                # or a bug in the draft: this round runs target-only. Not an outage: no backoff.
+                level = logging.ERROR if isinstance(exc, WorkerInternalError) else logging.WARNING
+                log.log(level, "draft cannot serve this round (%s); it runs target-only", exc)
+                view.keep(commit.cache_len)
                 return None
             health = self._draft_health_for(session.session_id)
             recovered = health.degraded
@@ -537,8 +579,9 @@ class GenerationEngine:
                 view.reset()
                 continue
             except WorkerUnavailable as exc:
-                # A restarting target comes back empty: retry (briefly) and re-prefill from canonical.
-                view.reset()
+                # A restart comes back empty (then NOT_FOUND re-prefills); a blip keeps the cache.
+                # Either way the committed prefix is the most the target can hold for us.
+                view.keep(commit.cache_len)
                 left = deadline.remaining()
                 if time.monotonic() + backoff > retry_until or (left is not None and left <= backoff):
                     raise WorkerUnavailable(f"target worker unavailable for {self.limits.target_retry_s:.0f}s: {exc}") from exc
@@ -547,6 +590,8 @@ class GenerationEngine:
                 continue
             stats.bytes_to_target += reply.bytes_sent
             stats.bytes_from_target += reply.bytes_received
+            if stats.rounds == 0:
+                # What the target really reused of this turn's prompt (0 after a re-prefill).
+                stats.cached_prompt_tokens = commit.cache_len
             view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), drafts, reply.cache_len)
             return reply
-

@@ -32,6 +32,11 @@ class WorkerView:
     def reset(self) -> None:
         self.tokens = []
 
+    def keep(self, length: int) -> None:
+        """After a call whose outcome is unknown: the worker holds at least the first `length` tokens
+        it held before (it either applied the commit or did not run it)."""
+        del self.tokens[length:]
+
 
 @dataclass
 class OrchestratorSession:
@@ -44,10 +49,6 @@ class OrchestratorSession:
     stats: SessionStats = field(default_factory=SessionStats)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_used: float = field(default_factory=time.monotonic)
-
-
-class SessionBusy(Exception):
-    pass
 
 
 class OrchestratorSessions:

@@ -29,6 +29,9 @@ class RoundTrace:
     greedy: bool
     fallback: bool
     ts: float = field(default_factory=time.time)
+    # Per-token drafting cost of this round, timed apart from the commit's catch-up forward
+    # (0 in traces recorded before it existed, or when the round drafted fewer than 2 tokens).
+    draft_token_ms: float = 0.0
 
     @property
     def pattern(self) -> list[int]:

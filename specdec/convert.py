@@ -38,4 +38,5 @@ def dist_to_pb(dist: SparseDist) -> worker_pb2.SparseDistribution:
 
 def timing_to_pb(stats: CallStats) -> common_pb2.WorkerTiming:
     return common_pb2.WorkerTiming(compute_ms=stats.compute_ms, fed_tokens=stats.fed_tokens,
-                                   prefilled_tokens=stats.prefilled_tokens)
+                                   prefilled_tokens=stats.prefilled_tokens, catchup_ms=stats.catchup_ms,
+                                   draft_steps=stats.draft_steps)

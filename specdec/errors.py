@@ -28,6 +28,12 @@ class WorkerUnavailable(SpecdecError):
     code_name = "UNAVAILABLE"
 
 
+class WorkerInternalError(SpecdecError):
+    """A worker answered INTERNAL (or another status that means a bug or a misconfiguration, not an
+    outage): retrying will not help, and the worker is not unhealthy because of it."""
+    code_name = "INTERNAL"
+
+
 class DeadlineExceeded(SpecdecError):
     code_name = "DEADLINE_EXCEEDED"
 

@@ -31,6 +31,9 @@ class LoadReport:
     first_token_ms: list[float] = field(default_factory=list)
     tokens: int = 0
     wall_s: float = 0.0
+    # Speculation actually happened (summed from the streams' final stats).
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     def percentile(self, values: list[float], q: float) -> float:
         if not values:
@@ -47,6 +50,7 @@ class LoadReport:
             "mean_ms": round(statistics.fmean(self.latencies_ms), 1) if self.latencies_ms else 0.0,
             "tokens_per_s": round(self.tokens / self.wall_s, 1) if self.wall_s else 0.0,
             "wall_s": round(self.wall_s, 2),
+            "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
         }
 
 
@@ -92,6 +96,9 @@ async def run_load(address: str, concurrency: int, requests: int, max_new_tokens
                         if first is None and chunk.token_ids:
                             first = (time.perf_counter() - start) * 1000.0
                         ids.extend(chunk.token_ids)
+                        if chunk.HasField("stats"):
+                            report.draft_tokens += chunk.stats.draft_tokens
+                            report.accepted_tokens += chunk.stats.accepted_tokens
                 except grpc.aio.AioRpcError as err:
                     report.errors[err.code().name] += 1
                     return

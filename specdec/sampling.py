@@ -1,15 +1,24 @@
 """Logit warping and the lossless speculative rejection rule (pure torch, no I/O).
 
 Both workers warp with the same function (temperature -> top-k -> top-p), and the draft samples from
-exactly the sparse q it sends. Randomness comes from counter-based uniforms keyed by
-(seed, absolute position, stream), so results do not depend on which replica ran a call or how often
-a cache was rebuilt: a request seed reproduces the whole generation.
+exactly the sparse q it sends. Every random decision goes through a `Randomness` object: in service it
+is `SeededRandomness`, counter-based uniforms keyed by (seed, absolute position, stream), so results do
+not depend on which replica ran a call or how often a cache was rebuilt and a request seed reproduces
+the whole generation. The exact-enumeration tests swap in a source that branches on every decision,
+so they run this very code, not a copy of it.
+
+Probabilities that drive decisions are normalised in float64 (q as it travels in float32, p as warped
+in float32), so the draft's sampling, the acceptance test and the residual all use one distribution
+each: the rule is exact to float64 rounding, not merely to float32.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -17,6 +26,10 @@ import torch
 STREAM_DRAFT = 1
 STREAM_ACCEPT = 2
 STREAM_TARGET_SAMPLE = 3
+
+# Temperatures below this are greedy (as in vLLM): dividing logits by a smaller one overflows float32
+# for no behavioural difference, since the warped distribution is already a point mass.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -28,14 +41,14 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
+        if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
@@ -50,9 +63,10 @@ class SparseDist:
         return float(self.probs[hit[0, 0]]) if hit.numel() else 0.0
 
     def to_dense(self, vocab_size: int) -> torch.Tensor:
+        """float64 over the vocabulary, renormalised: the exact distribution the draft sampled from."""
         dense = torch.zeros(vocab_size, dtype=torch.float64)
         dense[self.token_ids] = self.probs.to(torch.float64)
-        return dense
+        return dense / dense.sum()
 
 
 def uniform(seed: int, position: int, stream: int) -> float:
@@ -60,25 +74,6 @@ def uniform(seed: int, position: int, stream: int) -> float:
     digest = hashlib.blake2b(struct.pack("<QQQ", seed & (2**64 - 1), position, stream),
                              digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
-
-
-def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Temperature, top-k, top-p on the last dim; returns float32 probabilities (zeros outside support)."""
-    scores = logits.to(torch.float32) / cfg.temperature
-    vocab = scores.shape[-1]
-    if 0 < cfg.top_k < vocab:
-        kth = torch.topk(scores, cfg.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if cfg.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-        drop_sorted = mass_before >= cfg.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
 
 
 def sample_index(probs: torch.Tensor, u: float) -> int:
@@ -95,11 +90,64 @@ def sample_index(probs: torch.Tensor, u: float) -> int:
     return idx
 
 
+class Randomness(Protocol):
+    """Where every random decision of a round comes from."""
+
+    def choose(self, probs: torch.Tensor, position: int, stream: int) -> int:
+        """An index drawn from the 1-D non-negative vector probs (normalised by its sum)."""
+        ...
+
+    def accept(self, probability: float, position: int, stream: int) -> bool:
+        """True with the given probability."""
+        ...
+
+
+@dataclass(frozen=True)
+class SeededRandomness:
+    """The service's randomness: a pure function of (seed, position, stream)."""
+    seed: int
+
+    def choose(self, probs: torch.Tensor, position: int, stream: int) -> int:
+        return sample_index(probs, uniform(self.seed, position, stream))
+
+    def accept(self, probability: float, position: int, stream: int) -> bool:
+        return uniform(self.seed, position, stream) < probability
+
+
+def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Temperature, top-k, top-p on the last dim; returns float32 probabilities (zeros outside support).
+
+    Ties are kept or dropped deterministically and identically on both workers: top-k keeps every
+    token tied with the k-th score, top-p orders tied probabilities by token id (a stable sort).
+    """
+    scores = logits.to(torch.float32) / cfg.temperature
+    vocab = scores.shape[-1]
+    if 0 < cfg.top_k < vocab:
+        kth = torch.topk(scores, cfg.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+        drop_sorted = mass_before >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def target_distribution(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """p: the warped target distribution in float64, normalised (what target-only decoding samples)."""
+    p = warp(logits, cfg).to(torch.float64)
+    return p / p.sum(dim=-1, keepdim=True)
+
+
 def sparsify(probs: torch.Tensor, max_entries: int) -> SparseDist:
     """Sparse, renormalised float32 copy of a warped distribution, keeping at most max_entries tokens.
 
     Truncation lowers acceptance slightly but keeps the method exact, because the draft then samples
-    from this very distribution.
+    from this very distribution (only the draft runs this, so how ties at the cut fall is free).
     """
     support = int((probs > 0).sum())
     n = max(1, min(support, max_entries))
@@ -109,17 +157,63 @@ def sparsify(probs: torch.Tensor, max_entries: int) -> SparseDist:
     return SparseDist(token_ids=ids.to(torch.int64), probs=values)
 
 
-def draft_sample(logits: torch.Tensor, cfg: SamplingConfig, position: int,
-                 max_entries: int) -> tuple[int, float, SparseDist | None]:
-    """Draft one token at an absolute position. Returns (token, its probability, q or None when greedy)."""
-    if cfg.greedy:
-        probs = torch.softmax(logits.to(torch.float32), dim=-1)
-        token = int(torch.argmax(logits))
-        return token, float(probs[token]), None
-    q = sparsify(warp(logits, cfg), max_entries)
-    i = sample_index(q.probs, uniform(cfg.seed, position, STREAM_DRAFT))
-    return int(q.token_ids[i]), float(q.probs[i]), q
+# ----------------------------------------------------------------------------- drafting
 
+@dataclass
+class Draft:
+    """What one Propose drafted: tokens, the q each was sampled from (sampling only), confidences."""
+    tokens: list[int] = field(default_factory=list)
+    q: list[SparseDist] = field(default_factory=list)
+    token_probs: list[float] = field(default_factory=list)
+    # Forwards run after the first (the first position's logits come from applying the commit).
+    steps: int = 0
+
+
+def draft_confidence(logits: torch.Tensor, cfg: SamplingConfig, max_entries: int) -> tuple[float, SparseDist | None]:
+    """(the draft's max probability at this position, q or None when greedy), before any token is drawn."""
+    if cfg.greedy:
+        return float(torch.softmax(logits.to(torch.float32), dim=-1).max()), None
+    q = sparsify(warp(logits, cfg), max_entries)
+    return float(q.probs.max()), q
+
+
+def propose_tokens(first_logits: torch.Tensor, feed: Callable[[int], torch.Tensor], k: int,
+                   cfg: SamplingConfig, first_position: int, max_entries: int, min_draft_prob: float,
+                   rng: Randomness) -> Draft:
+    """Draft up to k tokens starting at absolute position first_position.
+
+    `feed(token)` runs one drafted token through the draft model and returns the logits that predict
+    the next position. The last drafted token is not fed: the target verifies it, and the next
+    commit appends whatever follows.
+
+    Early stop (min_draft_prob > 0): drafting stops BEFORE a position whose draft distribution has
+    max probability below the threshold. The decision depends only on the already drafted prefix,
+    never on the value of a token drawn at that position, so accept / resample still reproduces the
+    target exactly. (Dropping a token after drawing it because its probability was low would bias the
+    output; for greedy the two rules coincide.)
+    """
+    draft = Draft()
+    logits = first_logits
+    for i in range(k):
+        confidence, q = draft_confidence(logits, cfg, max_entries)
+        if min_draft_prob > 0 and confidence < min_draft_prob:
+            break
+        if q is None:
+            token = int(torch.argmax(logits))
+            prob = confidence
+        else:
+            index = rng.choose(q.probs, first_position + i, STREAM_DRAFT)
+            token, prob = int(q.token_ids[index]), float(q.probs[index])
+            draft.q.append(q)
+        draft.tokens.append(token)
+        draft.token_probs.append(prob)
+        if i < k - 1:
+            logits = feed(token)
+            draft.steps += 1
+    return draft
+
+
+# ----------------------------------------------------------------------------- verification
 
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor, token: int) -> float:
     """min(1, p(x)/q(x)) for dense p and q."""
@@ -143,6 +237,10 @@ class VerifyOutcome:
     accepted_len: int
     next_token: int
 
+    def emitted(self, draft_tokens: list[int]) -> list[int]:
+        """The tokens a round adds to the output: the accepted drafts, then the correction or bonus."""
+        return list(draft_tokens[:self.accepted_len]) + [self.next_token]
+
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> VerifyOutcome:
     """target_logits: [len(draft)+1, V]. Accept while the draft equals the target's argmax."""
@@ -154,7 +252,7 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> Verif
 
 
 def verify_sampled(target_logits: torch.Tensor, draft_tokens: list[int], q: list[SparseDist],
-                   cfg: SamplingConfig, first_position: int) -> VerifyOutcome:
+                   cfg: SamplingConfig, first_position: int, rng: Randomness | None = None) -> VerifyOutcome:
     """Lossless rejection sampling (Leviathan et al. / Chen et al.).
 
     target_logits: [len(draft)+1, V]; row i is the target's distribution for the token at absolute
@@ -162,16 +260,15 @@ def verify_sampled(target_logits: torch.Tensor, draft_tokens: list[int], q: list
     """
     if len(q) != len(draft_tokens):
         raise ValueError(f"need one q per draft token, got {len(q)} for {len(draft_tokens)}")
-    p_all = warp(target_logits, cfg).to(torch.float64)
+    rng = rng or SeededRandomness(cfg.seed)
+    p_all = target_distribution(target_logits, cfg)
     vocab = p_all.shape[-1]
     for i, token in enumerate(draft_tokens):
         position = first_position + i
         p = p_all[i]
         q_dense = q[i].to_dense(vocab)
-        if uniform(cfg.seed, position, STREAM_ACCEPT) < acceptance_probability(p, q_dense, token):
+        if rng.accept(acceptance_probability(p, q_dense, token), position, STREAM_ACCEPT):
             continue
-        residual = residual_distribution(p, q_dense)
-        return VerifyOutcome(i, sample_index(residual, uniform(cfg.seed, position, STREAM_TARGET_SAMPLE)))
+        return VerifyOutcome(i, rng.choose(residual_distribution(p, q_dense), position, STREAM_TARGET_SAMPLE))
     position = first_position + len(draft_tokens)
-    bonus = sample_index(p_all[len(draft_tokens)], uniform(cfg.seed, position, STREAM_TARGET_SAMPLE))
-    return VerifyOutcome(len(draft_tokens), bonus)
+    return VerifyOutcome(len(draft_tokens), rng.choose(p_all[len(draft_tokens)], position, STREAM_TARGET_SAMPLE))

@@ -102,9 +102,12 @@ def build(traces: Sequence) -> TraceData:
         if len(pattern) == t.accepted:  # no rejection: a bonus token or target-only round, never drafted
             ep.match.append(None)
             ep.confidence.append(None)
+        if t.draft_token_ms > 0:
+            # Timed apart from catch-up, so valid after a prefill or a fully accepted round too.
+            draft_per_token.append(t.draft_token_ms)
         if t.draft_prefilled <= 1 and t.target_prefilled <= 1 and not t.fallback:
-            if t.drafted > 0:
-                draft_per_token.append(t.draft_ms / t.drafted)
+            if t.drafted > 0 and not t.draft_token_ms:  # older traces: whole call over its forwards
+                draft_per_token.append(t.draft_ms / draft_forwards(t.k, t.drafted))
             verify_by_k.setdefault(t.drafted, []).append(t.verify_ms)
             overheads.append(max(0.0, t.round_ms - t.draft_ms - t.verify_ms) / (2 if t.drafted else 1))
     if not verify_by_k:

@@ -44,6 +44,10 @@ class CallStats:
     compute_ms: float = 0.0
     fed_tokens: int = 0
     prefilled_tokens: int = 0
+    # Draft only: time to apply the commit (catch-up/prefill forward), and the drafting forwards
+    # after it, so the per-token drafting cost is measured apart from catch-up.
+    catchup_ms: float = 0.0
+    draft_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,9 @@ class _Timer:
         self.start = time.perf_counter()
         self.ms = 0.0
         return self
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1000.0
 
     def __exit__(self, *exc: object) -> None:
         self.ms = (time.perf_counter() - self.start) * 1000.0

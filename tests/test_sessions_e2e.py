@@ -64,7 +64,7 @@ async def test_worker_end_session_is_re_prefilled(disagreeing_stack) -> None:
     assert list(first.token_ids) == list(baseline_first.token_ids)
     assert list(second.token_ids) == list(baseline_second.token_ids)
     assert second.stats.reprefills == 2  # draft and target each rebuilt once
-    assert second.stats.cached_prompt_tokens == 0 or second.stats.reprefills
+    assert second.stats.cached_prompt_tokens == 0  # the target re-prefilled the whole prompt
 
 
 async def test_target_restart_is_re_prefilled() -> None:

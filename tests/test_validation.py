@@ -16,6 +16,8 @@ BAD_REQUESTS = [
     (dict(prompt="x", max_new_tokens=0), "max_new_tokens must be > 0"),
     (dict(prompt="x", max_new_tokens=10**6), "above the limit"),
     (dict(prompt="x", temperature=-0.5), "temperature must be >= 0"),
+    (dict(prompt="x", temperature=float("inf")), "temperature must be >= 0 and finite"),
+    (dict(prompt="x", temperature=float("nan")), "temperature must be >= 0 and finite"),
     (dict(prompt="x", temperature=1.0, top_p=0.0), "top_p must be in (0, 1]"),
     (dict(prompt="x", temperature=1.0, top_p=1.5), "top_p must be in (0, 1]"),
     (dict(prompt="x", speculation={"policy": "nope"}), "unknown k policy 'nope'"),

@@ -29,14 +29,18 @@ class CacheCommit(_message.Message):
     def __init__(self, cache_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerTiming(_message.Message):
-    __slots__ = ("compute_ms", "fed_tokens", "prefilled_tokens")
+    __slots__ = ("compute_ms", "fed_tokens", "prefilled_tokens", "catchup_ms", "draft_steps")
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     FED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CATCHUP_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
     compute_ms: float
     fed_tokens: int
     prefilled_tokens: int
-    def __init__(self, compute_ms: _Optional[float] = ..., fed_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ...) -> None: ...
+    catchup_ms: float
+    draft_steps: int
+    def __init__(self, compute_ms: _Optional[float] = ..., fed_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., catchup_ms: _Optional[float] = ..., draft_steps: _Optional[int] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,285 @@
+"""Exact enumeration of the production round: the output distribution equals the target's.
+
+No reimplementation of the round: the draft runs `sampling.propose_tokens` (what the draft worker
+runs), q crosses the same protobuf conversion as on the wire, and the target runs `verify_sampled` /
+`verify_greedy` (what the target worker runs); the orchestrator's rule for k (never past the token
+budget) and `VerifyOutcome.emitted` compose rounds. Only the source of randomness is swapped: a
+`ScriptedRandomness` answers each decision from a script and, at the first unscripted one, reports
+every possible outcome with its probability. A depth-first search re-runs the production code once
+per branch, so each leaf is one exact path through it and its weight is the product of the branch
+probabilities. Rounds repeat until n tokens are out; the resulting joint distribution of the first n
+tokens is compared with the target's autoregressive product. Max |difference| < 1e-9 in float64.
+
+The mapping from a uniform to a decision (`SeededRandomness`) is tested separately below and by the
+Monte Carlo and end-to-end tests.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from specdec.convert import dist_from_pb, dist_to_pb
+from specdec.sampling import (Draft, SamplingConfig, SeededRandomness, propose_tokens, sample_index,
+                              target_distribution, uniform, verify_greedy, verify_sampled)
+
+TOLERANCE = 1e-9
+
+LogitsFn = Callable[[tuple[int, ...]], torch.Tensor]
+
+
+class Branch(Exception):
+    """Raised at the first unscripted decision: every outcome with its probability."""
+
+    def __init__(self, options: list[tuple[int, float]]) -> None:
+        super().__init__(options)
+        self.options = options
+
+
+class ScriptedRandomness:
+    def __init__(self, script: tuple[int, ...]) -> None:
+        self.script = script
+        self.used = 0
+
+    def _decide(self, options: list[tuple[int, float]]) -> int:
+        if self.used < len(self.script):
+            self.used += 1
+            return self.script[self.used - 1]
+        raise Branch([(value, weight) for value, weight in options if weight > 0])
+
+    def choose(self, probs: torch.Tensor, position: int, stream: int) -> int:
+        p = probs.to(torch.float64)
+        p = p / p.sum()
+        return self._decide([(i, float(p[i])) for i in range(p.shape[0])])
+
+    def accept(self, probability: float, position: int, stream: int) -> bool:
+        return bool(self._decide([(1, probability), (0, 1.0 - probability)]))
+
+
+def enumerate_paths(run: Callable[[ScriptedRandomness], tuple[int, ...]]) -> list[tuple[tuple[int, ...], float]]:
+    """Every (result, probability) of `run` over all decision paths."""
+    leaves: list[tuple[tuple[int, ...], float]] = []
+    pending: list[tuple[tuple[int, ...], float]] = [((), 1.0)]
+    while pending:
+        script, weight = pending.pop()
+        try:
+            result = run(ScriptedRandomness(script))
+        except Branch as branch:
+            pending.extend((script + (value,), weight * w) for value, w in branch.options)
+            continue
+        leaves.append((result, weight))
+    return leaves
+
+
+@dataclass(frozen=True)
+class Case:
+    cfg: SamplingConfig
+    target: LogitsFn
+    draft: LogitsFn
+    vocab: int
+    min_draft_prob: float = 0.0
+    max_q: int = 256
+
+
+def production_round(case: Case, context: tuple[int, ...], k: int, rng) -> tuple[int, ...]:
+    """One round as the services run it: propose on the draft, q over the wire, verify on the target."""
+    position = len(context)
+    fed = list(context)
+
+    def feed(token: int) -> torch.Tensor:
+        fed.append(token)
+        return case.draft(tuple(fed))
+
+    draft: Draft = propose_tokens(case.draft(context), feed, k, case.cfg, position, case.max_q,
+                                  case.min_draft_prob, rng)
+    rows = torch.stack([case.target(context + tuple(draft.tokens[:i])) for i in range(len(draft.tokens) + 1)])
+    if case.cfg.greedy:
+        outcome = verify_greedy(rows, draft.tokens)
+    else:
+        wire_q = [dist_from_pb(dist_to_pb(q)) for q in draft.q]
+        outcome = verify_sampled(rows, draft.tokens, wire_q, case.cfg, position, rng)
+    return tuple(outcome.emitted(draft.tokens))
+
+
+def generation_distribution(case: Case, n_tokens: int, k_for: Callable[[tuple[int, ...]], int],
+                            round_fn=production_round) -> dict[tuple[int, ...], float]:
+    """Exact joint distribution of the first n_tokens generated, round after round."""
+
+    @functools.lru_cache(maxsize=None)
+    def dist(context: tuple[int, ...], remaining: int) -> dict[tuple[int, ...], float]:
+        if remaining == 0:
+            return {(): 1.0}
+        # The orchestrator's rule: a round yields up to k+1 tokens, never past the budget.
+        k = max(0, min(k_for(context), remaining - 1))
+        out: dict[tuple[int, ...], float] = {}
+        for emitted, weight in enumerate_paths(lambda rng: round_fn(case, context, k, rng)):
+            emitted = emitted[:remaining]
+            for tail, w in dist(context + emitted, remaining - len(emitted)).items():
+                out[emitted + tail] = out.get(emitted + tail, 0.0) + weight * w
+        return out
+
+    return dist((), n_tokens)
+
+
+def target_joint(case: Case, n_tokens: int) -> dict[tuple[int, ...], float]:
+    out = {}
+    for seq in itertools.product(range(case.vocab), repeat=n_tokens):
+        prob = 1.0
+        for i in range(n_tokens):
+            if case.cfg.greedy:
+                prob *= float(int(torch.argmax(case.target(seq[:i]))) == seq[i])
+            else:
+                prob *= float(target_distribution(case.target(seq[:i]), case.cfg)[seq[i]])
+        out[seq] = prob
+    return out
+
+
+def max_abs_difference(case: Case, n_tokens: int, k_for: Callable[[tuple[int, ...]], int],
+                       round_fn=production_round) -> float:
+    got = generation_distribution(case, n_tokens, k_for, round_fn)
+    want = target_joint(case, n_tokens)
+    assert abs(sum(got.values()) - 1.0) < TOLERANCE
+    assert set(got) <= set(want)
+    return max(abs(got.get(seq, 0.0) - p) for seq, p in want.items())
+
+
+# ----------------------------------------------------------------------------- pseudo-models
+
+def table_model(seed: int, vocab: int, scale: float = 2.0) -> LogitsFn:
+    """Deterministic pseudo-model: logits are a fixed random function of the prefix."""
+    @functools.lru_cache(maxsize=None)
+    def logits(prefix: tuple[int, ...]) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash((seed, vocab, prefix)) & 0x7FFFFFFF)
+        return torch.randn(vocab, generator=g) * scale
+    return logits
+
+
+def restricted(model: LogitsFn, vocab: int, allowed: list[int]) -> LogitsFn:
+    """The model's logits with every token outside `allowed` at -inf (disjoint supports)."""
+    @functools.lru_cache(maxsize=None)
+    def logits(prefix: tuple[int, ...]) -> torch.Tensor:
+        out = torch.full((vocab,), float("-inf"))
+        out[allowed] = model(prefix)[allowed]
+        return out
+    return logits
+
+
+def make_case(name: str, vocab: int) -> Case:
+    target, draft = table_model(1, vocab), table_model(2, vocab)
+    t1 = SamplingConfig(temperature=1.0, seed=0)
+    cases = {
+        "temperature": Case(SamplingConfig(temperature=0.7), target, draft, vocab),
+        "hot": Case(SamplingConfig(temperature=1.8), target, draft, vocab),
+        "top_k": Case(SamplingConfig(temperature=1.0, top_k=2), target, draft, vocab),
+        "top_p": Case(SamplingConfig(temperature=1.2, top_p=0.7), target, draft, vocab),
+        "all_options": Case(SamplingConfig(temperature=0.9, top_k=vocab - 1, top_p=0.85), target, draft, vocab),
+        "p_equals_q": Case(t1, target, target, vocab),
+        "disjoint": Case(t1, restricted(target, vocab, [0, 1]), restricted(draft, vocab, list(range(2, vocab))),
+                         vocab),
+        "truncated_q": Case(t1, target, draft, vocab, max_q=2),
+        "min_draft_prob": Case(t1, target, draft, vocab, min_draft_prob=0.45),
+        "min_draft_prob_top_p": Case(SamplingConfig(temperature=0.8, top_p=0.9), target, draft, vocab,
+                                     min_draft_prob=0.6),
+        "greedy": Case(SamplingConfig(), target, draft, vocab),
+        "greedy_min_draft_prob": Case(SamplingConfig(), target, draft, vocab, min_draft_prob=0.6),
+    }
+    return cases[name]
+
+
+CASE_NAMES = ["temperature", "hot", "top_k", "top_p", "all_options", "p_equals_q", "disjoint", "truncated_q",
+              "min_draft_prob", "min_draft_prob_top_p", "greedy", "greedy_min_draft_prob"]
+
+
+def varying_k(max_k: int) -> Callable[[tuple[int, ...]], int]:
+    """k chosen per round from the history, as an adaptive policy does (including k = 0)."""
+    return lambda context: (7 * sum(context) + 3 * len(context) + 1) % (max_k + 1)
+
+
+# ----------------------------------------------------------------------------- the proofs
+
+# Every case at k = 1 (vocabulary 4) and k = 3 (vocabulary 3); the main ones at k = 2 and 4 too. The
+# search tree grows as vocab^k, so the vocabulary shrinks with k. k+1 tokens span one whole round
+# with its bonus token, and the rounds that follow a rejection.
+FIXED_K_CASES = ([(name, 1) for name in CASE_NAMES] + [(name, 3) for name in CASE_NAMES]
+                 + [(name, 2) for name in ("temperature", "min_draft_prob", "disjoint")]
+                 + [(name, 4) for name in ("min_draft_prob", "disjoint")])
+
+
+@pytest.mark.parametrize("name,k", FIXED_K_CASES)
+def test_fixed_k_matches_target_exactly(name: str, k: int) -> None:
+    case = make_case(name, vocab=4 if k == 1 else 3)
+    assert max_abs_difference(case, n_tokens=k + 1, k_for=lambda _: k) < TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_draft_prob", "disjoint", "greedy_min_draft_prob"])
+def test_adaptive_k_matches_target_exactly(name: str) -> None:
+    case = make_case(name, vocab=3)
+    assert max_abs_difference(case, n_tokens=4, k_for=varying_k(4)) < TOLERANCE
+
+
+def test_bonus_token_when_every_draft_is_accepted() -> None:
+    case = make_case("p_equals_q", vocab=3)
+    paths = enumerate_paths(lambda rng: production_round(case, (), 3, rng))
+    # p == q: all 3 drafts accepted, plus the bonus token (q's float32 transport leaves p/q a hair
+    # under 1 at some tokens, so rejection paths exist with negligible weight).
+    assert sum(weight for emitted, weight in paths if len(emitted) == 4) > 1 - 1e-6
+
+
+def test_min_draft_prob_stops_before_drawing() -> None:
+    """The stop rule looks at the draft's distribution, not at a drawn token: with a threshold above
+    every max probability nothing is drafted, and the round is plain target sampling."""
+    case = make_case("min_draft_prob", vocab=4)
+    case = Case(case.cfg, case.target, case.draft, case.vocab, min_draft_prob=1.0)
+    paths = enumerate_paths(lambda rng: production_round(case, (), 3, rng))
+    assert all(len(emitted) == 1 for emitted, _ in paths)
+
+
+# ----------------------------------------------------------------------------- the harness has teeth
+
+def drop_after_draw_round(case: Case, context: tuple[int, ...], k: int, rng) -> tuple[int, ...]:
+    """The rule shipped before this test existed: draw x from q, then drop it and stop drafting when
+    q(x) < min_draft_prob. Kept here only as the negative control."""
+    position = len(context)
+    draft = Draft()
+    prefix = context
+    for i in range(k):
+        q = propose_tokens(case.draft(prefix), lambda t: case.draft(prefix), 1, case.cfg, position + i,
+                           case.max_q, 0.0, rng)
+        if q.token_probs[0] < case.min_draft_prob:
+            break
+        draft.tokens += q.tokens
+        draft.q += q.q
+        prefix = prefix + tuple(q.tokens)
+    rows = torch.stack([case.target(context + tuple(draft.tokens[:i])) for i in range(len(draft.tokens) + 1)])
+    return tuple(verify_sampled(rows, draft.tokens, draft.q, case.cfg, position, rng).emitted(draft.tokens))
+
+
+def test_enumeration_detects_dropping_a_drawn_token() -> None:
+    case = make_case("min_draft_prob", vocab=4)
+    assert max_abs_difference(case, 3, lambda _: 2, round_fn=drop_after_draw_round) > 1e-3
+
+
+def test_enumeration_detects_a_wrong_residual(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resampling from p instead of norm(max(0, p - q)) after a rejection is biased."""
+    from specdec import sampling
+    monkeypatch.setattr(sampling, "residual_distribution", lambda p, q: p / p.sum())
+    case = make_case("temperature", vocab=4)
+    assert max_abs_difference(case, 3, lambda _: 2) > 1e-3
+
+
+# ----------------------------------------------------------------------------- the service's randomness
+
+def test_seeded_randomness_maps_uniforms_to_decisions() -> None:
+    rng = SeededRandomness(seed=11)
+    probs = torch.tensor([0.2, 0.0, 0.5, 0.3])
+    u = uniform(11, 5, 1)
+    assert rng.choose(probs, 5, 1) == sample_index(probs, u)
+    assert rng.accept(0.4, 5, 2) == (uniform(11, 5, 2) < 0.4)
+    # Inverse CDF: the interval of each index has its probability's width, zero-width never drawn.
+    assert sample_index(probs, 0.0) == 0 and sample_index(probs, 0.1999) == 0
+    assert sample_index(probs, 0.2001) == 2 and sample_index(probs, 0.6999) == 2
+    assert sample_index(probs, 0.7001) == 3 and sample_index(probs, 0.999999) == 3
