@@ -1,14 +1,12 @@
 """Draft engine: apply the commit, then draft up to k tokens (no grpc)."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
+from specdec.contract import MAX_K, CallStats, Commit, SamplingConfig
 from specdec.errors import InvalidRequest
-from specdec.sampling import SamplingConfig, SeededRandomness, SparseDist, propose_tokens
-from specdec.worker_core import CallStats, Commit, WorkerCore
-
-MAX_K = 64
+from specdec.sampling import SeededRandomness, SparseDist, propose_tokens
+from specdec.worker_core import WorkerCore
 
 
 @dataclass(frozen=True)

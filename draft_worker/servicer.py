@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import grpc
 
-from specdec import grpc_util
-
 from draft_worker.engine import DraftEngine, ProposeParams
-from specdec.convert import commit_from_pb, dist_to_pb, sampling_from_pb, timing_to_pb
+from specdec import grpc_util
+from specdec.contract import Commit, SamplingConfig
 from specdec.v1 import worker_pb2, worker_pb2_grpc
 from specdec.worker_core import WorkerCore
 from specdec.worker_server import WorkerServicerBase
@@ -21,13 +20,13 @@ class DraftServicer(WorkerServicerBase, worker_pb2_grpc.DraftWorkerServicer):
 
     async def Propose(self, request: worker_pb2.ProposeRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.ProposeResponse:
-        params = ProposeParams(session_id=request.session_id, commit=commit_from_pb(request.commit),
-                               k=request.k, sampling=sampling_from_pb(request.sampling),
+        params = ProposeParams(session_id=request.session_id, commit=Commit.from_pb(request.commit),
+                               k=request.k, sampling=SamplingConfig.from_pb(request.sampling),
                                min_draft_prob=request.min_draft_prob)
         result = await self.run_engine(context, lambda: self.engine.propose(params))
-        return worker_pb2.ProposeResponse(tokens=result.tokens, q=[dist_to_pb(q) for q in result.q],
+        return worker_pb2.ProposeResponse(tokens=result.tokens, q=[q.to_pb() for q in result.q],
                                           token_probs=result.token_probs, cache_len=result.cache_len,
-                                          timing=timing_to_pb(result.stats))
+                                          timing=result.stats.to_pb())
 
 
 def register(servicer: DraftServicer, server: grpc.aio.Server) -> None:

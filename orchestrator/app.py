@@ -4,20 +4,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
 
 from orchestrator import servicer as orch_servicer
 from orchestrator.admission import Admission
 from orchestrator.clients import GrpcDraftBackend, GrpcTargetBackend, open_channel
+from orchestrator.config import SpeculationConfig
+from orchestrator.api import EngineLimits
+from orchestrator.engine import GenerationEngine
+from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.routing import ReplicaPool, RoutedDraft, RoutedTarget
-from orchestrator.engine import EngineLimits, GenerationEngine, SpeculationConfig
 from orchestrator.traces import TraceWriter
 from specdec import grpc_util, security
-from specdec.metrics import OrchestratorMetrics, serve_metrics
 from specdec.errors import DeadlineExceeded, WorkerUnavailable
-from specdec.models import load_tokenizer
+from specdec.metrics import serve_metrics
+from specdec.tokenizers import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +53,6 @@ class OrchestratorConfig:
     discovery_refresh_s: float = 5.0
 
 
-def load_speculation_file(path: str, base: SpeculationConfig) -> SpeculationConfig:
-    """TOML file with a [speculation] table (what the k8s ConfigMap carries)."""
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
-    table: dict[str, Any] = data.get("speculation", {})
-    known = {f.name for f in fields(SpeculationConfig)}
-    unknown = set(table) - known
-    if unknown:
-        raise ValueError(f"{path}: unknown [speculation] keys: {', '.join(sorted(unknown))}")
-    return replace(base, **table)
-
-
 async def wait_for_worker(backend: Any, timeout_s: float):
     """Workers may still be loading their model: retry GetInfo until timeout."""
     deadline = asyncio.get_running_loop().time() + timeout_s
@@ -75,7 +65,8 @@ async def wait_for_worker(backend: Any, timeout_s: float):
             await asyncio.sleep(0.5)
 
 
-async def build_engine(cfg: OrchestratorConfig, observer: Any = None) -> tuple[GenerationEngine, RoutedDraft, RoutedTarget]:
+async def build_engine(cfg: OrchestratorConfig, metrics: OrchestratorMetrics | None = None
+                       ) -> tuple[GenerationEngine, RoutedDraft, RoutedTarget]:
     creds = (security.channel_credentials(cfg.worker_ca, cfg.worker_client_cert, cfg.worker_client_key)
              if cfg.worker_ca else None)
 
@@ -101,8 +92,10 @@ async def build_engine(cfg: OrchestratorConfig, observer: Any = None) -> tuple[G
         log.warning("draft context (%d) is shorter than the target's (%d): rounds past it run target-only",
                     draft_info.max_context, target_info.max_context)
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer)
-    tracer = TraceWriter(cfg.trace_file) if cfg.trace_file else None
-    engine = GenerationEngine(draft, target, tokenizer, target_info, cfg.speculation, cfg.limits, tracer, observer,
+    observers: list[Any] = [metrics] if metrics is not None else []
+    if cfg.trace_file:
+        observers.append(TraceWriter(cfg.trace_file))
+    engine = GenerationEngine(draft, target, tokenizer, target_info, cfg.speculation, cfg.limits, observers,
                               draft_info=draft_info)
     log.info("draft %s at %s, target %s at %s", draft_info.model_ref, cfg.draft_address,
              target_info.model_ref, cfg.target_address)
@@ -169,12 +162,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
-    spec = SpeculationConfig()
-    if args.config:
-        spec = load_speculation_file(args.config, spec)
+    spec = SpeculationConfig.from_toml(args.config) if args.config else SpeculationConfig()
     flags = {"policy": args.policy, "min_k": args.min_k, "max_k": args.max_k, "fixed_k": args.fixed_k,
              "min_draft_prob": args.min_draft_prob}
-    spec = replace(spec, **{k: v for k, v in flags.items() if v is not None})  # flags beat the file
+    spec = spec.with_values({k: v for k, v in flags.items() if v is not None}, "flags")  # flags beat the file
     limits = EngineLimits(max_new_tokens=args.max_new_tokens_limit, max_sessions=args.max_sessions,
                           session_ttl_s=args.session_ttl_s)
     return OrchestratorConfig(args.draft, args.target, args.tokenizer, spec, limits, args.max_concurrent,

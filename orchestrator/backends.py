@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from specdec.sampling import SamplingConfig
-from specdec.worker_core import Commit
+from specdec.contract import Commit, SamplingConfig
 
 
 @dataclass

@@ -7,13 +7,11 @@ from typing import Any
 import grpc
 
 from orchestrator.backends import DraftReply, VerifyReply, WorkerDescription
-from specdec.convert import commit_to_pb, sampling_to_pb
 from specdec.errors import (CacheMismatch, CapacityExceeded, DeadlineExceeded, InvalidRequest,
                             SessionNotFound, SpecdecError, WorkerInternalError, WorkerUnavailable)
+from specdec.contract import Commit, SamplingConfig
 from specdec.grpc_util import CHANNEL_OPTIONS
-from specdec.sampling import SamplingConfig
 from specdec.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from specdec.worker_core import Commit
 
 _ERRORS: dict[grpc.StatusCode, type[SpecdecError]] = {
     grpc.StatusCode.NOT_FOUND: SessionNotFound,
@@ -80,8 +78,8 @@ class GrpcDraftBackend(_WorkerClient):
 
     async def propose(self, session_id: str, commit: Commit, k: int, sampling: SamplingConfig,
                       min_draft_prob: float, timeout_s: float | None) -> DraftReply:
-        request = worker_pb2.ProposeRequest(session_id=session_id, commit=commit_to_pb(commit), k=k,
-                                            sampling=sampling_to_pb(sampling), min_draft_prob=min_draft_prob)
+        request = worker_pb2.ProposeRequest(session_id=session_id, commit=commit.to_pb(), k=k,
+                                            sampling=sampling.to_pb(), min_draft_prob=min_draft_prob)
         start = time.perf_counter()
         reply = await self._call(self._stub.Propose, request, timeout_s)
         return DraftReply(tokens=list(reply.tokens), token_probs=list(reply.token_probs),
@@ -101,8 +99,8 @@ class GrpcTargetBackend(_WorkerClient):
 
     async def verify(self, session_id: str, commit: Commit, draft_tokens: list[int], q_payload: Any,
                      sampling: SamplingConfig, timeout_s: float | None) -> VerifyReply:
-        request = worker_pb2.VerifyRequest(session_id=session_id, commit=commit_to_pb(commit),
-                                           draft_tokens=draft_tokens, sampling=sampling_to_pb(sampling))
+        request = worker_pb2.VerifyRequest(session_id=session_id, commit=commit.to_pb(),
+                                           draft_tokens=draft_tokens, sampling=sampling.to_pb())
         if q_payload is not None and not sampling.greedy:
             request.q.extend(q_payload)
         start = time.perf_counter()

@@ -10,8 +10,11 @@ from typing import Any
 import grpc
 
 from orchestrator.admission import Admission
-from orchestrator.engine import GenerateParams, GenerationEngine, GenerationEvent, GenerationStats, SpeculationOverride
+from orchestrator.config import SpeculationOverride
+from orchestrator.api import GenerateParams, GenerationEvent, GenerationStats
+from orchestrator.engine import GenerationEngine
 from specdec import grpc_util
+from specdec.contract import validate_session_id
 from specdec.errors import InvalidRequest, SpecdecError
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -74,12 +77,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         code, tokens = "OK", 0
         try:
             params = params_from_pb(request)
-            self.engine.validate(params)
+            speculation = self.engine.validate(params)  # before admission: a bad request takes no slot
             async with self.admission.slot():
                 if self.metrics is not None:
                     self.metrics.inflight.inc()
                 try:
-                    async for event in self.engine.generate(params, context.time_remaining()):
+                    async for event in self.engine.generate(params, context.time_remaining(), speculation):
                         tokens += len(event.token_ids)
                         yield event
                 finally:
@@ -99,43 +102,34 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 self.metrics.request_done(method, code, time.perf_counter() - started, tokens)
                 self.metrics.sessions.set(len(self.engine.sessions))
 
+    # Errors become statuses in one place: grpc_util.add_service.
     async def Generate(self, request: orchestrator_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> orchestrator_pb2.GenerateResponse:
-        async def run() -> orchestrator_pb2.GenerateResponse:
-            text, ids = [], []
-            final: GenerationEvent | None = None
-            async for event in self._events(request, context, "Generate"):
-                text.append(event.text_delta)
-                ids.extend(event.token_ids)
-                final = event
-            assert final is not None and final.stats is not None
-            return orchestrator_pb2.GenerateResponse(
-                text="".join(text), token_ids=ids, finish_reason=_FINISH[final.finish_reason or "length"],
-                stats=stats_to_pb(final.stats), session_id=final.session_id)
-        return await grpc_util.guarded(context, run)
+        text, ids = [], []
+        final: GenerationEvent | None = None
+        async for event in self._events(request, context, "Generate"):
+            text.append(event.text_delta)
+            ids.extend(event.token_ids)
+            final = event
+        assert final is not None and final.stats is not None
+        return orchestrator_pb2.GenerateResponse(
+            text="".join(text), token_ids=ids, finish_reason=_FINISH[final.finish_reason or "length"],
+            stats=stats_to_pb(final.stats), session_id=final.session_id)
 
     async def GenerateStream(self, request: orchestrator_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[orchestrator_pb2.GenerateStreamResponse]:
-        try:
-            async for event in self._events(request, context, "GenerateStream"):
-                msg = orchestrator_pb2.GenerateStreamResponse(text_delta=event.text_delta, token_ids=event.token_ids,
-                                                              session_id=event.session_id)
-                if event.finish_reason is not None:
-                    msg.finish_reason = _FINISH[event.finish_reason]
-                    msg.stats.CopyFrom(stats_to_pb(event.stats or GenerationStats()))
-                yield msg
-        except Exception as exc:  # noqa: BLE001 - mapped to a status code
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            await grpc_util.abort_with(context, exc)
+        async for event in self._events(request, context, "GenerateStream"):
+            msg = orchestrator_pb2.GenerateStreamResponse(text_delta=event.text_delta, token_ids=event.token_ids,
+                                                          session_id=event.session_id)
+            if event.finish_reason is not None:
+                msg.finish_reason = _FINISH[event.finish_reason]
+                msg.stats.CopyFrom(stats_to_pb(event.stats or GenerationStats()))
+            yield msg
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
-        async def run() -> common_pb2.EndSessionResponse:
-            if not request.session_id:
-                raise InvalidRequest("session_id is required")
-            return common_pb2.EndSessionResponse(existed=await self.engine.end_session(request.session_id))
-        return await grpc_util.guarded(context, run)
+        validate_session_id(request.session_id)
+        return common_pb2.EndSessionResponse(existed=await self.engine.end_session(request.session_id))
 
 
 def register(servicer: OrchestratorServicer, server: grpc.aio.Server) -> None:

@@ -8,9 +8,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdec.kpolicy import SessionStats
-from specdec.tokens import common_prefix_len, prefix_hash
-from specdec.worker_core import Commit
+from orchestrator.kpolicy import SessionStats
+from specdec.contract import Commit, common_prefix_len, prefix_hash
 
 log = logging.getLogger(__name__)
 

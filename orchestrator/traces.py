@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,16 @@ class TraceWriter:
         self._file = open(self.path, "a", buffering=1)
         self._lock = threading.Lock()
         log.info("recording round traces to %s", self.path)
+
+    def observe(self, record: Any) -> None:
+        """One orchestrator.rounds.RoundRecord, as a trace line."""
+        self.write(RoundTrace(
+            session=record.session_id, round=record.index, position=record.position, policy=record.policy,
+            k=record.k, drafted=record.drafted, accepted=record.accepted,
+            draft_probs=[round(p, 5) for p in record.draft_probs], draft_ms=round(record.draft_ms, 3),
+            verify_ms=round(record.verify_ms, 3), round_ms=round(record.round_ms, 3),
+            draft_prefilled=record.draft_prefilled, target_prefilled=record.target_prefilled,
+            greedy=record.greedy, fallback=record.fallback, draft_token_ms=round(record.draft_token_ms, 3)))
 
     def write(self, trace: RoundTrace) -> None:
         line = json.dumps(asdict(trace), separators=(",", ":"))

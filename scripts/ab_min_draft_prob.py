@@ -12,8 +12,8 @@ from pathlib import Path
 
 import grpc
 
-from specdec.client import build_request
-from specdec.demo import DEFAULT_PAIR_CONFIG, local_services
+from specdec.tools.client import build_request
+from specdec.tools.demo import DEFAULT_PAIR_CONFIG, local_services
 from specdec.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdec.models import load_tokenizer
 from specdec.v1 import orchestrator_pb2_grpc

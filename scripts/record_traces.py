@@ -1,7 +1,7 @@
 """Record round traces on a model pair: python scripts/record_traces.py OUT.jsonl [--fixed-k 8]
 
 Starts the three services locally with --trace-file, sends every prompt of bench/prompts.jsonl, and
-stops. A high fixed k observes the most positions (see specdec/simulator.py for why)."""
+stops. A high fixed k observes the most positions (see specdec/tools/simulator.py for why)."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +9,8 @@ import asyncio
 import json
 from pathlib import Path
 
-from specdec.client import build_request
-from specdec.demo import local_services
+from specdec.tools.client import build_request
+from specdec.tools.demo import local_services
 from specdec.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parent.parent

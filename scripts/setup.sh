@@ -11,7 +11,7 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[test]"
+.venv/bin/python -m pip install --quiet -e ".[worker,test]"
 .venv/bin/python scripts/gen_protos.py
 if [ "${SPECDEC_SKIP_MODELS:-0}" != "1" ]; then
     .venv/bin/python -m specdec.embedded

@@ -19,7 +19,7 @@ COMMANDS = {
 
 
 def generate_main(argv: list[str]) -> None:
-    from specdec.client import build_request, format_stats, stream_generate
+    from specdec.tools.client import build_request, format_stats, stream_generate
     parser = argparse.ArgumentParser(prog="specdec generate")
     parser.add_argument("prompt")
     parser.add_argument("--address", default="127.0.0.1:50051")
@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "serve-orchestrator":
         from orchestrator.__main__ import main as run
     elif command == "demo":
-        from specdec.demo import main as run
+        from specdec.tools.demo import main as run
     elif command == "bench":
-        from specdec.bench import main as run
+        from specdec.tools.bench import main as run
     elif command == "loadtest":
-        from specdec.loadtest import main as run
+        from specdec.tools.loadtest import main as run
     elif command == "tune":
-        from specdec.tune import main as run
+        from specdec.tools.tune import main as run
     elif command == "fetch-models":
         from specdec.embedded import main as run
     else:

@@ -46,16 +46,6 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
-async def guarded(context: grpc.aio.ServicerContext, call: Callable[[], Awaitable[T]]) -> T:
-    try:
-        return await call()
-    except (asyncio.CancelledError, grpc.aio.AbortError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - mapped to a status, logged when unexpected
-        await abort_with(context, exc)
-        raise  # unreachable: abort raises
-
-
 class MalformedRequest:
     """What the deserializer returns for bytes that are not a valid message (e.g. invalid UTF-8 in a
     string field). The handler answers INVALID_ARGUMENT instead of gRPC's default INTERNAL."""
@@ -75,8 +65,11 @@ def _safe_deserializer(cls: Any) -> Callable[[bytes], Any]:
 
 
 def add_service(server: grpc.aio.Server, service: ServiceDescriptor, servicer: Any) -> None:
-    """Register a servicer for a service descriptor (unary and server-streaming methods) with
-    deserializers that turn malformed requests into INVALID_ARGUMENT."""
+    """Register a servicer for a service descriptor (unary and server-streaming methods).
+
+    The one place where errors become statuses: malformed request bytes get INVALID_ARGUMENT, a
+    SpecdecError its own code, anything else INTERNAL (logged: it is a bug). Servicers just raise.
+    """
     handlers = {}
     for method in service.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
@@ -88,14 +81,24 @@ def add_service(server: grpc.aio.Server, service: ServiceDescriptor, servicer: A
             async def stream(request: Any, context: grpc.aio.ServicerContext, impl: Any = impl) -> Any:
                 if isinstance(request, MalformedRequest):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-                async for item in impl(request, context):
-                    yield item
+                try:
+                    async for item in impl(request, context):
+                        yield item
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - mapped to a status code
+                    await abort_with(context, exc)
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(stream, **kwargs)
         else:
             async def unary(request: Any, context: grpc.aio.ServicerContext, impl: Any = impl) -> Any:
                 if isinstance(request, MalformedRequest):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-                return await impl(request, context)
+                try:
+                    return await impl(request, context)
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - mapped to a status code
+                    await abort_with(context, exc)
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(unary, **kwargs)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 

@@ -1,118 +1,23 @@
-"""Model and tokenizer loading for workers and the orchestrator.
-
-Model refs:
-  tiny:seed=N[,noise=X][,layers=L][,hidden=H][,vocab=V]  random-weight test model built in-process
-  embedded:<name>                                         converted embedded model (see specdec.embedded)
-  <dir or hub id>                                         transformers from_pretrained (safetensors only)
-  <file>.gguf                                             GGUF file, dequantised by transformers + gguf
+"""Model loading for the workers (torch). Refs are parsed in specdec.model_refs, tokenizers loaded in
+specdec.tokenizers; both are torch-free so the orchestrator can use them.
 """
 from __future__ import annotations
 
-import hashlib
 import inspect
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from specdec.model_refs import ModelRefError, TinySpec, resolve_path
+from specdec.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer
+
 log = logging.getLogger(__name__)
 
 
-class ModelRefError(ValueError):
-    """The model ref cannot be resolved (not found, not converted, malformed)."""
-
-
-# ----------------------------------------------------------------------------- tokenizers
-
-class ByteTokenizer:
-    """Byte-level tokenizer for the tiny test models: ids 0-255 are bytes, then specials."""
-
-    BOS, EOS, PAD = 256, 257, 258
-    SPECIALS = {BOS: "<s>", EOS: "</s>", PAD: "<pad>"}
-
-    def __init__(self, vocab_size: int = 260) -> None:
-        self.vocab_size = vocab_size
-        self.eos_token_id = self.EOS
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        data = bytes(i for i in ids if 0 <= i < 256)
-        return data.decode("utf-8", errors="replace")
-
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
-        if add_generation_prompt:
-            text += "<|assistant|>"
-        return self.encode(text)
-
-    def fingerprint(self) -> str:
-        return f"bytes-{self.vocab_size}"
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return [self.EOS]
-
-
-class HFTokenizer:
-    """Thin adapter so the orchestrator sees one tokenizer interface."""
-
-    def __init__(self, tok: Any, eos_ids: list[int]) -> None:
-        self._tok = tok
-        self._eos = eos_ids
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        out = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                            tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
-
-    def fingerprint(self) -> str:
-        vocab = sorted(self._tok.get_vocab().items(), key=lambda kv: kv[1])
-        digest = hashlib.sha256("\n".join(f"{t}\t{i}" for t, i in vocab).encode()).hexdigest()
-        return digest[:16]
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return list(self._eos)
-
-
-Tokenizer = ByteTokenizer | HFTokenizer
-
-
 # ----------------------------------------------------------------------------- tiny models
-
-@dataclass(frozen=True)
-class TinySpec:
-    seed: int = 0
-    noise: float = 0.0        # perturb weights of the seed model: 0 = identical, larger = less agreement
-    layers: int = 2
-    hidden: int = 64
-    vocab: int = 260
-    max_positions: int = 4096
-
-    @classmethod
-    def parse(cls, ref: str) -> "TinySpec":
-        body = ref.split(":", 1)[1] if ":" in ref else ""
-        kwargs: dict[str, Any] = {}
-        for item in filter(None, body.split(",")):
-            key, _, value = item.partition("=")
-            if key not in cls.__dataclass_fields__:
-                raise ModelRefError(f"unknown tiny model option {key!r} in {ref!r}")
-            kwargs[key] = float(value) if key == "noise" else int(value)
-        return cls(**kwargs)
-
 
 def build_tiny_model(spec: TinySpec) -> torch.nn.Module:
     """A small Qwen2-architecture model with deterministic random weights."""
@@ -150,25 +55,6 @@ class LoadedModel:
     eos_token_ids: list[int]
 
 
-def resolve_path(ref: str) -> tuple[str, str | None]:
-    """Return (directory or hub id, gguf file name or None) for non-tiny refs."""
-    if ref.startswith("embedded:"):
-        from specdec import embedded
-        name = ref.split(":", 1)[1]
-        if name not in embedded.EMBEDDED_MODELS:
-            raise ModelRefError(f"unknown embedded model {name!r}; known: {', '.join(embedded.EMBEDDED_MODELS)}")
-        if not embedded.is_ready(name):
-            raise ModelRefError(f"embedded model {name!r} is not converted yet: run "
-                                f"`python -m specdec.embedded {name}` (part of the README setup command)")
-        return str(embedded.converted_path(name)), None
-    if ref.endswith(".gguf"):
-        path = Path(ref)
-        if not path.is_file():
-            raise ModelRefError(f"GGUF file not found: {ref}")
-        return str(path.parent), path.name
-    return ref, None
-
-
 def _eos_ids(model: torch.nn.Module, tok: Any) -> list[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
@@ -180,23 +66,6 @@ def _eos_ids(model: torch.nn.Module, tok: Any) -> list[int]:
     if getattr(tok, "eos_token_id", None) is not None:
         ids.add(int(tok.eos_token_id))
     return sorted(ids)
-
-
-def load_tokenizer(ref: str) -> Tokenizer:
-    if ref.startswith("tiny"):
-        return ByteTokenizer(TinySpec.parse(ref).vocab)
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-    path, gguf = resolve_path(ref)
-    tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf) if gguf else AutoTokenizer.from_pretrained(path)
-    eos: set[int] = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
-    for loader in (GenerationConfig, AutoConfig):
-        try:
-            cfg = loader.from_pretrained(path, gguf_file=gguf) if gguf else loader.from_pretrained(path)
-        except (OSError, ValueError):
-            continue
-        value = getattr(cfg, "eos_token_id", None)
-        eos.update([value] if isinstance(value, int) else list(value or []))
-    return HFTokenizer(tok, sorted(eos))
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

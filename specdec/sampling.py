@@ -14,7 +14,6 @@ each: the rule is exact to float64 rounding, not merely to float32.
 from __future__ import annotations
 
 import hashlib
-import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,35 +21,13 @@ from typing import Protocol
 
 import torch
 
+from specdec.contract import SamplingConfig
+from specdec.v1 import worker_pb2
+
 # Streams of uniforms; each decision at a position uses its own stream.
 STREAM_DRAFT = 1
 STREAM_ACCEPT = 2
 STREAM_TARGET_SAMPLE = 3
-
-# Temperatures below this are greedy (as in vLLM): dividing logits by a smaller one overflows float32
-# for no behavioural difference, since the warped distribution is already a point mass.
-GREEDY_TEMPERATURE = 1e-5
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
-
-    def validate(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
 
 @dataclass(frozen=True)
 class SparseDist:
@@ -61,6 +38,14 @@ class SparseDist:
     def prob_of(self, token: int) -> float:
         hit = (self.token_ids == token).nonzero()
         return float(self.probs[hit[0, 0]]) if hit.numel() else 0.0
+
+    def to_pb(self) -> worker_pb2.SparseDistribution:
+        return worker_pb2.SparseDistribution(token_ids=self.token_ids.tolist(), probs=self.probs.tolist())
+
+    @classmethod
+    def from_pb(cls, msg: worker_pb2.SparseDistribution) -> "SparseDist":
+        return cls(token_ids=torch.tensor(list(msg.token_ids), dtype=torch.int64),
+                   probs=torch.tensor(list(msg.probs), dtype=torch.float32))
 
     def to_dense(self, vocab_size: int) -> torch.Tensor:
         """float64 over the vocabulary, renormalised: the exact distribution the draft sampled from."""

@@ -13,22 +13,12 @@ from typing import Any
 
 import torch
 
+from specdec.contract import CallStats, Commit, prefix_hash, validate_session_id
 from specdec.errors import CacheMismatch, CapacityExceeded, InvalidRequest, SessionNotFound
 from specdec.models import LoadedModel, cache_nbytes, crop_cache, new_cache
 from specdec.session_store import SessionStore
-from specdec.tokens import prefix_hash
 
 log = logging.getLogger(__name__)
-
-MAX_SESSION_ID_LEN = 256
-
-
-@dataclass(frozen=True)
-class Commit:
-    cache_len: int
-    prefix_hash: int
-    append_tokens: tuple[int, ...]
-
 
 @dataclass
 class WorkerSession:
@@ -37,17 +27,6 @@ class WorkerSession:
 
     def nbytes(self) -> int:
         return cache_nbytes(self.cache)
-
-
-@dataclass
-class CallStats:
-    compute_ms: float = 0.0
-    fed_tokens: int = 0
-    prefilled_tokens: int = 0
-    # Draft only: time to apply the commit (catch-up/prefill forward), and the drafting forwards
-    # after it, so the per-token drafting cost is measured apart from catch-up.
-    catchup_ms: float = 0.0
-    draft_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,13 +56,6 @@ def estimate_kv_bytes_per_token(model: torch.nn.Module) -> int:
     except (AttributeError, StopIteration, TypeError, ZeroDivisionError):
         return 0
     return int(2 * layers * heads * head_dim * element)
-
-
-def validate_session_id(session_id: str) -> None:
-    if not session_id:
-        raise InvalidRequest("session_id is required")
-    if len(session_id) > MAX_SESSION_ID_LEN or not session_id.isprintable():
-        raise InvalidRequest(f"session_id must be printable and at most {MAX_SESSION_ID_LEN} characters")
 
 
 class WorkerCore:

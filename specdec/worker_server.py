@@ -1,4 +1,4 @@
-"""One worker server for both roles: servicer base (EndSession, GetInfo, error mapping, executor)
+"""One worker server for both roles: servicer base (EndSession, GetInfo, the model thread)
 and bootstrap. Role-specific servicers in draft_worker/ and target_worker/ only convert messages."""
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import grpc
 from specdec import grpc_util
 from specdec.errors import DeadlineExceeded
 from specdec.v1 import common_pb2
-from specdec.worker_core import StoreLimits, WorkerCore, validate_session_id
+from specdec.contract import validate_session_id
+from specdec.worker_core import StoreLimits, WorkerCore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -28,12 +29,10 @@ class WorkerServicerBase:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{core.role}-model")
 
     async def run_engine(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
-        async def call() -> T:
-            remaining = context.time_remaining()
-            if remaining is not None and remaining <= 0:
-                raise DeadlineExceeded("deadline expired before the worker started the call")
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
-        return await grpc_util.guarded(context, call)
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            raise DeadlineExceeded("deadline expired before the worker started the call")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:

@@ -4,11 +4,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specdec.contract import MAX_K, CallStats, Commit, SamplingConfig
 from specdec.errors import InvalidRequest
-from specdec.sampling import SamplingConfig, SparseDist, verify_greedy, verify_sampled
-from specdec.worker_core import CallStats, Commit, WorkerCore
-
-MAX_DRAFT_TOKENS = 64
+from specdec.sampling import SparseDist, verify_greedy, verify_sampled
+from specdec.worker_core import WorkerCore
 
 
 @dataclass(frozen=True)
@@ -33,8 +32,8 @@ class TargetEngine:
         self.core = core
 
     def _validate(self, params: VerifyParams) -> None:
-        if len(params.draft_tokens) > MAX_DRAFT_TOKENS:
-            raise InvalidRequest(f"at most {MAX_DRAFT_TOKENS} draft tokens per call, got {len(params.draft_tokens)}")
+        if len(params.draft_tokens) > MAX_K:
+            raise InvalidRequest(f"at most {MAX_K} draft tokens per call, got {len(params.draft_tokens)}")
         try:
             params.sampling.validate()
         except ValueError as exc:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import grpc
 
 from specdec import grpc_util
-
-from specdec.convert import commit_from_pb, dist_from_pb, sampling_from_pb, timing_to_pb
+from specdec.contract import Commit, SamplingConfig
+from specdec.sampling import SparseDist
 from specdec.v1 import worker_pb2, worker_pb2_grpc
 from specdec.worker_core import WorkerCore
 from specdec.worker_server import WorkerServicerBase
@@ -21,13 +21,13 @@ class TargetServicer(WorkerServicerBase, worker_pb2_grpc.TargetWorkerServicer):
 
     async def Verify(self, request: worker_pb2.VerifyRequest,
                      context: grpc.aio.ServicerContext) -> worker_pb2.VerifyResponse:
-        params = VerifyParams(session_id=request.session_id, commit=commit_from_pb(request.commit),
+        params = VerifyParams(session_id=request.session_id, commit=Commit.from_pb(request.commit),
                               draft_tokens=tuple(request.draft_tokens),
-                              q=tuple(dist_from_pb(q) for q in request.q),
-                              sampling=sampling_from_pb(request.sampling))
+                              q=tuple(SparseDist.from_pb(q) for q in request.q),
+                              sampling=SamplingConfig.from_pb(request.sampling))
         result = await self.run_engine(context, lambda: self.engine.verify(params))
         return worker_pb2.VerifyResponse(accepted_len=result.accepted_len, next_token=result.next_token,
-                                         cache_len=result.cache_len, timing=timing_to_pb(result.stats))
+                                         cache_len=result.cache_len, timing=result.stats.to_pb())
 
 
 def register(servicer: TargetServicer, server: grpc.aio.Server) -> None:

@@ -9,7 +9,8 @@ import torch
 
 from draft_worker.servicer import SERVICE_NAME as DRAFT_SERVICE, DraftServicer, register as register_draft
 from orchestrator.app import OrchestratorConfig, start_orchestrator
-from orchestrator.engine import EngineLimits, SpeculationConfig
+from orchestrator.config import SpeculationConfig
+from orchestrator.api import EngineLimits
 from specdec import grpc_util
 from specdec.models import load_model
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc, worker_pb2_grpc

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specdec.bench import FIXED_KS, systems
+from specdec.tools.bench import FIXED_KS, systems
 
 ROOT = Path(__file__).resolve().parent.parent
 

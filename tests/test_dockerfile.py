@@ -39,6 +39,27 @@ def test_pins_and_runtime_settings() -> None:
     assert ("ENTRYPOINT", '["specdec"]') in ops
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert "specdec" in scripts
-    assert sum(1 for op, _ in ops if op == "FROM") == 2  # build stage + slim runtime
+    stages = [args.split()[-1] for op, args in ops if op == "FROM"]
+    assert {"orchestrator", "worker"} <= set(stages)  # two images, each from its own build stage
     k8s_user = re.search(r"runAsUser: (\d+)", (ROOT / "k8s" / "base" / "target.yaml").read_text()).group(1)
-    assert users[-1].split(":")[0] == k8s_user  # the image's user is the one the manifests require
+    assert all(u.split(":")[0] == k8s_user for u in users)  # the images' user is the one the manifests require
+
+
+def stage(name: str) -> list[tuple[str, str]]:
+    """The instructions of one build stage."""
+    out, current = [], None
+    for op, args in instructions():
+        if op == "FROM":
+            current = args.split()[-1]
+        elif current == name:
+            out.append((op, args))
+    return out
+
+
+def test_the_orchestrator_image_is_built_without_torch() -> None:
+    runs = " ".join(args for op, args in stage("orchestrator-build") if op == "RUN")
+    assert "torch" not in runs and "pip install ." in runs and "[worker]" not in runs
+    assert all("worker-build" not in args for op, args in stage("orchestrator") if op == "COPY")
+    base = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not [d for d in base if d.startswith(("torch", "accelerate", "gguf"))], base
+    assert "torch==2.13.0" in " ".join(args for op, args in stage("worker-build") if op == "RUN")

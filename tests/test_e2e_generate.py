@@ -5,7 +5,7 @@ import grpc
 import pytest
 import torch
 
-from orchestrator.engine import SpeculationConfig
+from orchestrator.config import SpeculationConfig
 from specdec.v1 import orchestrator_pb2
 from tests.stack import cached_model, start_stack
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.kpolicy import (CostModelPolicy, DecayingLine, FixedPolicy, HeuristicPolicy, SessionStats,
-                             expected_tokens, make_policy, speedup_bound)
+from orchestrator.config import SpeculationConfig
+from orchestrator.kpolicy import (CostModelPolicy, DecayingLine, FixedPolicy, HeuristicPolicy, SessionStats,
+                             expected_tokens, speedup_bound)
 
 
 def stats_with(acceptance: float, draft_ms: float = 10.0, verify_base: float = 50.0, verify_slope: float = 2.0,
@@ -88,9 +89,9 @@ def test_verify_line_fits_slope() -> None:
 
 
 def test_make_policy() -> None:
-    assert make_policy("heuristic").name == "heuristic"
+    assert SpeculationConfig(policy="heuristic").make_policy().name == "heuristic"
     with pytest.raises(ValueError, match="unknown k policy"):
-        make_policy("nope")
+        SpeculationConfig(policy="nope").make_policy()  # type: ignore[arg-type]
 
 
 def test_cost_model_learns_a_step_in_verify_cost() -> None:

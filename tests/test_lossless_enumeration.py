@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from specdec.convert import dist_from_pb, dist_to_pb
+from specdec.sampling import SparseDist
 from specdec.sampling import (Draft, SamplingConfig, SeededRandomness, propose_tokens, sample_index,
                               target_distribution, uniform, verify_greedy, verify_sampled)
 
@@ -100,7 +100,7 @@ def production_round(case: Case, context: tuple[int, ...], k: int, rng) -> tuple
     if case.cfg.greedy:
         outcome = verify_greedy(rows, draft.tokens)
     else:
-        wire_q = [dist_from_pb(dist_to_pb(q)) for q in draft.q]
+        wire_q = [SparseDist.from_pb(q.to_pb()) for q in draft.q]
         outcome = verify_sampled(rows, draft.tokens, wire_q, case.cfg, position, rng)
     return tuple(outcome.emitted(draft.tokens))
 

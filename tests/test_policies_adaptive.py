@@ -8,14 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.app import load_speculation_file
-from orchestrator.backends import WorkerDescription
-from orchestrator.engine import GenerationEngine, SpeculationConfig, SpeculationOverride
+from orchestrator.config import SpeculationConfig, SpeculationOverride
 from orchestrator.traces import RoundTrace, load_traces
-from specdec import simulator
+from specdec.tools import simulator
 from specdec.errors import InvalidRequest
-from specdec.kpolicy import BanditPolicy, CostModelPolicy, KPolicy, SessionStats
-from specdec.models import ByteTokenizer
+from orchestrator.kpolicy import BanditPolicy, CostModelPolicy, KPolicy, SessionStats
 from tests.stack import start_stack
 
 
@@ -52,22 +49,18 @@ def test_bandit_plays_target_only_when_draft_is_useless() -> None:
     assert late.most_common(1)[0][0] == 0
 
 
-def engine_with(spec: SpeculationConfig) -> GenerationEngine:
-    info = WorkerDescription("target", "tiny", 260, 4096, [257])
-    return GenerationEngine(draft=None, target=None, tokenizer=ByteTokenizer(), target_info=info,  # type: ignore[arg-type]
-                            speculation=spec)
+def resolve(server: SpeculationConfig, override: SpeculationOverride) -> tuple[str, int, int]:
+    spec = server.with_override(override)
+    return spec.make_policy().name, spec.min_k, spec.max_k
 
 
 def test_override_precedence() -> None:
-    engine = engine_with(SpeculationConfig(policy="heuristic", min_k=1, max_k=5, fixed_k=3))
-    policy, lo, hi = engine._resolve_policy(SpeculationOverride())
-    assert (policy.name, lo, hi) == ("heuristic", 1, 5)                       # server default
-    policy, lo, hi = engine._resolve_policy(SpeculationOverride(policy="bandit", max_k=7))
-    assert (policy.name, lo, hi) == ("bandit", 1, 7)                          # request policy and bound
-    policy, lo, hi = engine._resolve_policy(SpeculationOverride(policy="cost", fixed_k=2))
-    assert (policy.name, lo, hi) == ("fixed", 2, 2)                           # fixed_k beats everything
+    server = SpeculationConfig(policy="heuristic", min_k=1, max_k=5, fixed_k=3)
+    assert resolve(server, SpeculationOverride()) == ("heuristic", 1, 5)                       # server default
+    assert resolve(server, SpeculationOverride(policy="bandit", max_k=7)) == ("bandit", 1, 7)  # request policy and bound
+    assert resolve(server, SpeculationOverride(policy="cost", fixed_k=2)) == ("fixed", 2, 2)   # fixed_k beats everything
     with pytest.raises(InvalidRequest):
-        engine._resolve_policy(SpeculationOverride(min_k=6))                   # 6 > server max_k 5
+        resolve(server, SpeculationOverride(min_k=6))                                           # 6 > server max_k 5
 
 
 def trace(session: str, rnd: int, drafted: int, accepted: int, verify_ms: float = 50.0) -> RoundTrace:
@@ -84,7 +77,7 @@ def test_replaying_the_recorded_policy_reproduces_the_recording() -> None:
     data = simulator.build(recorded)
     assert data.episodes[0].match == [1, 1, 1, 1, None, 1, 0, 0, 1, 1, 1, 1, None]
     world = simulator.impute(data, __import__("random").Random(0))
-    from specdec.kpolicy import FixedPolicy
+    from orchestrator.kpolicy import FixedPolicy
     result = simulator.simulate(world, data.timing, lambda: FixedPolicy(4), 4, 4, 0.0)
     assert result.rounds == len(recorded)
     assert result.accepted == sum(t.accepted for t in recorded)
@@ -106,7 +99,7 @@ async def test_tune_on_recorded_traces_writes_a_config_the_orchestrator_accepts(
     traces = load_traces(trace_file)
     assert len(traces) >= 10 and all(t.k <= 6 for t in traces)
     assert any(t.accepted < t.drafted for t in traces) and any(t.accepted == t.drafted for t in traces)
-    from specdec import tune
+    from specdec.tools import tune
     out_cfg = tmp_path / "best.toml"
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
@@ -115,7 +108,7 @@ async def test_tune_on_recorded_traces_writes_a_config_the_orchestrator_accepts(
     for name in ("fixed(k=0)", "heuristic(", "cost(", "bandit("):
         assert name in table
     assert "1.00x" in table  # the k=0 baseline row
-    spec = load_speculation_file(str(out_cfg), SpeculationConfig())
+    spec = SpeculationConfig.from_toml(str(out_cfg))
     assert spec.policy in ("fixed", "heuristic", "cost", "bandit")
     served = await start_stack(draft_ref="tiny:seed=0,noise=0.02", speculation=spec)
     try:
@@ -129,7 +122,7 @@ def test_config_file_rejects_unknown_keys(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[speculation]\npolicy = 'cost'\nfrobnicate = 3\n")
     with pytest.raises(ValueError, match="frobnicate"):
-        load_speculation_file(str(bad), SpeculationConfig())
+        SpeculationConfig.from_toml(str(bad))
 
 
 async def test_new_sessions_start_from_their_worker_pair_prior() -> None:
@@ -158,7 +151,7 @@ def test_early_stop_is_charged_for_the_forward_it_ran() -> None:
     recorded = [trace("c", i + 1, 2, 0) for i in range(6)]  # every first draft rejected (confidence 0.2)
     data = simulator.build(recorded)
     world = simulator.impute(data, __import__("random").Random(0))
-    from specdec.kpolicy import FixedPolicy
+    from orchestrator.kpolicy import FixedPolicy
     t = data.timing
     stopped = simulator.simulate(world, t, lambda: FixedPolicy(2), 2, 2, 0.5)
     assert stopped.drafted == 0 and stopped.rounds == 6

@@ -13,8 +13,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.app import DRAFT_HEALTH_NAME, OrchestratorConfig, start_orchestrator
 from orchestrator.backends import DraftReply, VerifyReply, WorkerDescription
-from orchestrator.engine import EngineLimits, GenerateParams, GenerationEngine, SpeculationOverride
-from specdec.loadtest import run_load
+from orchestrator.config import SpeculationOverride
+from orchestrator.api import EngineLimits, GenerateParams
+from orchestrator.engine import GenerationEngine
+from specdec.tools.loadtest import run_load
 from specdec.models import ByteTokenizer
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, worker_pb2
 from specdec.worker_core import StoreLimits

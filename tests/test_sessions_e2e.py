@@ -1,9 +1,8 @@
 """Multi-turn cache reuse and transparent re-prefill when a worker lost a session."""
 from __future__ import annotations
 
-import grpc
 
-from specdec.v1 import common_pb2, worker_pb2_grpc
+from specdec.v1 import common_pb2
 from tests.stack import draft_stub, start_stack, start_worker, target_stub
 
 TURN1 = [5, 6, 7, 8, 9, 10]

@@ -13,7 +13,10 @@ import grpc
 import pytest
 
 from orchestrator.backends import DraftReply, VerifyReply, WorkerDescription
-from orchestrator.engine import DraftHealth, GenerateParams, GenerationEngine, SpeculationOverride
+from orchestrator.config import SpeculationOverride
+from orchestrator.api import GenerateParams
+from orchestrator.engine import GenerationEngine
+from orchestrator.rounds import DraftHealth
 from specdec.errors import DeadlineExceeded, InvalidRequest
 from specdec.models import ByteTokenizer
 from specdec.v1 import common_pb2

@@ -4,7 +4,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from specdec.tokens import prefix_hash
+from specdec.contract import prefix_hash
 from specdec.v1 import common_pb2, worker_pb2
 from tests.stack import draft_stub, target_stub
 

@@ -12,10 +12,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from specdec.client import build_request, format_stats, stream_generate
+from specdec.tools.client import build_request, format_stats, stream_generate
 from specdec.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PAIR_CONFIG = ROOT / "configs" / "embedded-pair-cpu.toml"
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 

@@ -4,6 +4,9 @@ Systems run round-robin per prompt (the starting system rotates) so machine drif
 Greedy and sampled (temperature 0.7) modes. Writes report.md, report.json and PNG plots.
 Performance numbers come from here, never from a timed test; `--smoke` (tiny random models) is what
 CI runs to check that the report is produced and consistent.
+
+Over 300 lines: one experiment (the systems, the interleaved runner and the report over their shared
+`Run` record) reads best in one file; it is a tool, not on any request path.
 """
 from __future__ import annotations
 
@@ -20,9 +23,9 @@ from typing import Any
 import torch
 
 from specdec.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdec.kpolicy import speedup_bound
+from orchestrator.kpolicy import speedup_bound
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIXED_KS = (1, 2, 3, 4, 6, 8)
 
 
@@ -149,7 +152,7 @@ class HFRunner:
 
 async def service_run(stub: Any, system: System, mode: str, prompt_name: str, prompt_ids: list[int],
                       max_new: int, seed: int) -> Run:
-    from specdec.client import build_request
+    from specdec.tools.client import build_request
     spec = system.speculation
     req = build_request(prompt_ids=prompt_ids, max_new_tokens=max_new, temperature=0.7 if mode == "sampled" else 0.0,
                         seed=seed, policy=spec.get("policy"), fixed_k=spec.get("fixed_k"))
@@ -374,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from tqdm import tqdm
 
-    from specdec.demo import DEFAULT_PAIR_CONFIG, local_services
+    from specdec.tools.demo import DEFAULT_PAIR_CONFIG, local_services
     from specdec.models import load_tokenizer, resolve_dtype
     if args.smoke:
         args.target, args.draft = "tiny:seed=0", "tiny:seed=0,noise=0.02"

@@ -29,7 +29,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from specdec.kpolicy import KPolicy, SessionStats, draft_forwards
+from orchestrator.kpolicy import KPolicy, SessionStats, draft_forwards
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass
@@ -95,6 +95,17 @@ class SessionStats:
     rounds_since_draft: int = 0
     # Bandit arms: k -> [rounds, mean tokens per ms]
     arms: dict[int, list[float]] = field(default_factory=dict)
+
+    def observe(self, record: Any, timing: bool = True) -> None:
+        """One round (an orchestrator.rounds.RoundRecord). Prefill rounds say nothing about a k's
+        steady-state speed, so they do not feed the per-k rates or the verify cost."""
+        if timing:
+            if record.draft_token_ms > 0:
+                self.timing.observe_draft(1, record.draft_token_ms)
+            if record.target_prefilled <= 1:
+                self.timing.observe_verify(record.drafted, record.verify_ms)
+            self.timing.observe_rtt(record.verify_wall_ms - record.verify_ms)
+        self.observe_round(record.drafted, record.accepted, record.round_ms if record.steady else None)
 
     def observe_round(self, k: int, accepted: int, round_ms: float | None = None) -> None:
         """Per-token acceptance from one round: accepted of k (a rejection ends the round)."""
@@ -224,31 +235,6 @@ class BanditPolicy:
 
 def _clamp(k: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, k))
-
-
-@dataclass(frozen=True)
-class PolicyParams:
-    """Tunable parameters of every policy (flat, so a TOML [speculation] table can carry them)."""
-    fixed_k: int = 4
-    heuristic_initial_k: int = 4
-    probe_every: int = 16
-    bandit_exploration: float = 0.3
-    bandit_prior_weight: float = 2.0
-
-
-POLICY_NAMES = ("fixed", "heuristic", "cost", "bandit")
-
-
-def make_policy(name: str, params: PolicyParams = PolicyParams()) -> KPolicy:
-    if name == "fixed":
-        return FixedPolicy(k=params.fixed_k)
-    if name == "heuristic":
-        return HeuristicPolicy(initial_k=params.heuristic_initial_k)
-    if name == "cost":
-        return CostModelPolicy(probe_every=params.probe_every)
-    if name == "bandit":
-        return BanditPolicy(exploration=params.bandit_exploration, prior_weight=params.bandit_prior_weight)
-    raise ValueError(f"unknown k policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 
 def speedup_bound(a: float, k: int, c: float) -> float:

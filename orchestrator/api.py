@@ -1,0 +1,102 @@
+"""The engine's request and response types: what the servicer converts protobuf to and from, and the
+per-turn stats (an observer of every RoundRecord). No grpc, no torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orchestrator.config import SpeculationOverride
+from orchestrator.rounds import RoundRecord
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+    session_id: str | None = None
+    max_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    speculation: SpeculationOverride = SpeculationOverride()
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    k_per_round: list[int] = field(default_factory=list)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    total_ms: float = 0.0
+    new_tokens: int = 0
+    reprefills: int = 0
+    bytes_to_draft: int = 0
+    bytes_to_target: int = 0
+    bytes_from_draft: int = 0
+    bytes_from_target: int = 0
+    seed: int = 0
+    fallback_rounds: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def overhead_ms(self) -> float:
+        return max(0.0, self.total_ms - self.draft_ms - self.verify_ms)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / (self.total_ms / 1000.0) if self.total_ms > 0 else 0.0
+
+    def observe(self, record: RoundRecord) -> None:
+        self.rounds += 1
+        self.k_per_round.append(record.drafted)
+        self.draft_tokens += record.drafted
+        self.accepted_tokens += record.accepted
+        if len(self.accepted_per_position) < record.drafted:
+            self.accepted_per_position.extend([0] * (record.drafted - len(self.accepted_per_position)))
+        for i in range(record.accepted):
+            self.accepted_per_position[i] += 1
+        self.draft_ms += record.draft_ms
+        self.verify_ms += record.verify_ms
+        self.reprefills += record.reprefills
+        self.fallback_rounds += int(record.fallback)
+        self.bytes_to_draft += record.bytes_to_draft
+        self.bytes_from_draft += record.bytes_from_draft
+        self.bytes_to_target += record.bytes_to_target
+        self.bytes_from_target += record.bytes_from_target
+        self.new_tokens += len(record.emitted)
+        if record.index == 1:
+            # What the target really reused of this turn's prompt (0 after a re-prefill).
+            self.cached_prompt_tokens = record.target_cached
+
+
+@dataclass
+class GenerationEvent:
+    """A chunk of output. The last event has finish_reason and stats set."""
+    text_delta: str
+    token_ids: list[int]
+    finish_reason: str | None = None   # "length" | "stop" | "eos" | "context"
+    stats: GenerationStats | None = None
+    session_id: str = ""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_new_tokens: int = 4096
+    max_prompt_chars: int = 1_000_000
+    max_stop_strings: int = 16
+    max_sessions: int = 10_000
+    session_ttl_s: float = 600.0
+    # How long a round keeps retrying an unreachable target (a restart) before UNAVAILABLE.
+    target_retry_s: float = 10.0
+    # A draft call slower than this is abandoned and the round runs target-only.
+    draft_timeout_s: float = 10.0

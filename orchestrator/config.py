@@ -1,0 +1,133 @@
+"""The adaptive-k configuration: one dataclass, one validation, one merge order.
+
+Server defaults come from the TOML `[speculation]` table (what the k8s ConfigMap carries), then CLI
+flags; a request may override some fields. All three go through `SpeculationConfig`, and the table in
+docs/adaptive-k.md is generated from the field docs here (a test keeps them equal).
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, get_args
+
+from orchestrator.kpolicy import BanditPolicy, CostModelPolicy, FixedPolicy, HeuristicPolicy, KPolicy
+from specdec.contract import MAX_K
+from specdec.errors import InvalidRequest
+
+PolicyName = Literal["fixed", "heuristic", "cost", "bandit"]
+POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
+
+
+class SpeculationConfigError(InvalidRequest, ValueError):
+    """A bad value: INVALID_ARGUMENT in a request, a ValueError in a config file or a flag."""
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+@dataclass(frozen=True)
+class SpeculationOverride:
+    """What one request may change (None: keep the server's value)."""
+    policy: str | None = None
+    min_k: int | None = None
+    max_k: int | None = None
+    fixed_k: int | None = None
+    min_draft_prob: float | None = None
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    policy: PolicyName = field(default="cost", metadata=_doc(
+        "How k is chosen each round: `fixed`, `heuristic` (HF's +2/-1 schedule), `cost` (maximise "
+        "expected tokens per second from measured costs; k = 0 when speculation loses) or `bandit` "
+        "(UCB over k seeded by the cost model). Per request: `speculation.policy`."))
+    min_k: int = field(default=0, metadata=_doc(
+        "Smallest k a policy may pick. 0 allows target-only rounds. Per request: `speculation.min_k`."))
+    max_k: int = field(default=8, metadata=_doc(
+        f"Largest k a policy may pick (at most {MAX_K}). Per request: `speculation.max_k`."))
+    fixed_k: int = field(default=4, metadata=_doc(
+        "k of the `fixed` policy. A request's `speculation.fixed_k` runs the fixed policy at that k, "
+        "whatever the other fields say."))
+    min_draft_prob: float = field(default=0.0, metadata=_doc(
+        "Early stop: the draft stops before a position where its most likely token has a probability "
+        "below this (0 = off). Lossless: decided before a token is drawn. Per request: "
+        "`speculation.min_draft_prob`."))
+    heuristic_initial_k: int = field(default=4, metadata=_doc("First k of the `heuristic` policy."))
+    probe_every: int = field(default=16, metadata=_doc(
+        "`cost` policy: after this many target-only rounds, draft one token to re-measure acceptance "
+        "(0 = never)."))
+    bandit_exploration: float = field(default=0.3, metadata=_doc(
+        "`bandit` policy: UCB exploration bonus, relative to the best predicted rate."))
+    bandit_prior_weight: float = field(default=2.0, metadata=_doc(
+        "`bandit` policy: how many rounds the cost model's prediction counts as for each arm."))
+
+    def validate(self) -> "SpeculationConfig":
+        """Raise SpeculationConfigError on the first bad field; returns self so calls can chain."""
+        if self.policy not in POLICY_NAMES:
+            raise SpeculationConfigError(f"unknown k policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+        if not 0 <= self.fixed_k <= MAX_K:
+            raise SpeculationConfigError(f"fixed_k must be in [0, {MAX_K}], got {self.fixed_k}")
+        if not 0 <= self.min_k <= self.max_k <= MAX_K:
+            raise SpeculationConfigError(f"need 0 <= min_k <= max_k <= {MAX_K}, got min_k={self.min_k} max_k={self.max_k}")
+        if not 0.0 <= self.min_draft_prob <= 1.0:  # also rejects NaN
+            raise SpeculationConfigError(f"min_draft_prob must be in [0, 1], got {self.min_draft_prob}")
+        if not 1 <= self.heuristic_initial_k <= MAX_K:
+            raise SpeculationConfigError(f"heuristic_initial_k must be in [1, {MAX_K}], got {self.heuristic_initial_k}")
+        if self.probe_every < 0:
+            raise SpeculationConfigError(f"probe_every must be >= 0, got {self.probe_every}")
+        if not self.bandit_exploration >= 0.0 or not self.bandit_prior_weight > 0.0:
+            raise SpeculationConfigError("bandit_exploration must be >= 0 and bandit_prior_weight > 0")
+        return self
+
+    def with_override(self, override: SpeculationOverride) -> "SpeculationConfig":
+        """A request's view of the config. Precedence: request fixed_k > request fields > server."""
+        if override.fixed_k is not None:
+            merged = replace(self, policy="fixed", fixed_k=override.fixed_k, min_k=override.fixed_k,
+                             max_k=override.fixed_k)
+        else:
+            changes = {name: getattr(override, name) for name in ("policy", "min_k", "max_k")
+                       if getattr(override, name) is not None}
+            merged = replace(self, **changes)
+        if override.min_draft_prob is not None:
+            merged = replace(merged, min_draft_prob=override.min_draft_prob)
+        return merged.validate()
+
+    def with_values(self, values: dict[str, Any], source: str) -> "SpeculationConfig":
+        """Apply a table of field values (a TOML table, CLI flags); unknown keys are an error."""
+        known = {f.name for f in fields(self)}
+        unknown = set(values) - known
+        if unknown:
+            raise SpeculationConfigError(f"{source}: unknown [speculation] keys: {', '.join(sorted(unknown))}")
+        return replace(self, **values).validate()
+
+    @classmethod
+    def from_toml(cls, path: str, base: "SpeculationConfig | None" = None) -> "SpeculationConfig":
+        with open(path, "rb") as f:
+            table = tomllib.load(f).get("speculation", {})
+        return (base or cls()).with_values(table, path)
+
+    def make_policy(self) -> KPolicy:
+        self.validate()
+        if self.policy == "fixed":
+            return FixedPolicy(k=self.fixed_k)
+        if self.policy == "heuristic":
+            return HeuristicPolicy(initial_k=self.heuristic_initial_k)
+        if self.policy == "cost":
+            return CostModelPolicy(probe_every=self.probe_every)
+        return BanditPolicy(exploration=self.bandit_exploration, prior_weight=self.bandit_prior_weight)
+
+    def to_toml(self) -> str:
+        lines = ["[speculation]"]
+        for f in fields(self):
+            value = getattr(self, f.name)
+            lines.append(f"{f.name} = {value!r}" if not isinstance(value, str) else f'{f.name} = "{value}"')
+        return "\n".join(lines) + "\n"
+
+
+def markdown_table() -> str:
+    """The `[speculation]` reference table of docs/adaptive-k.md."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for f in fields(SpeculationConfig):
+        rows.append(f"| `{f.name}` | `{f.default!r}` | {f.metadata['doc']} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,66 @@
+"""The orchestrator's Prometheus metrics: request outcomes (from the servicer) and round metrics
+(an observer of every RoundRecord)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from orchestrator.kpolicy import Ewma
+from orchestrator.rounds import RoundRecord
+
+ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class OrchestratorMetrics:
+    """Request metrics from the servicer, round metrics by observing every RoundRecord."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specdec_requests", "Generate requests by outcome", ["method", "code"], registry=r)
+        self.inflight = Gauge("specdec_inflight_requests", "Requests being generated", registry=r)
+        self.request_seconds = Histogram("specdec_request_duration_seconds", "Generate wall time",
+                                         buckets=REQUEST_BUCKETS, registry=r)
+        self.tokens = Counter("specdec_generated_tokens", "Tokens returned to callers", registry=r)
+        self.rounds = Counter("specdec_rounds", "Speculation rounds", registry=r)
+        self.draft_tokens = Counter("specdec_draft_tokens", "Tokens proposed by the draft", registry=r)
+        self.accepted = Counter("specdec_accepted_tokens", "Draft tokens accepted by the target", registry=r)
+        self.accepted_position = Counter("specdec_accepted_by_position", "Accepted draft tokens by position",
+                                         ["position"], registry=r)
+        self.k = Histogram("specdec_round_k", "k chosen per round", buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32),
+                           registry=r)
+        self.acceptance = Gauge("specdec_acceptance_rate", "EWMA of per-token acceptance over all rounds",
+                                registry=r)
+        self._acceptance = Ewma(0.3, 0.7)
+        self.round_seconds = Histogram("specdec_round_duration_seconds", "Round time by part", ["part"],
+                                       buckets=ROUND_BUCKETS, registry=r)
+        self.fallbacks = Counter("specdec_fallback_rounds", "Rounds run target-only because the draft was unusable",
+                                 registry=r)
+        self.reprefills = Counter("specdec_reprefills", "Worker caches rebuilt from canonical tokens", registry=r)
+        self.sessions = Gauge("specdec_sessions", "Sessions held by the orchestrator", registry=r)
+
+    def observe(self, record: RoundRecord) -> None:
+        self.rounds.inc()
+        self.k.observe(record.drafted)
+        self.draft_tokens.inc(record.drafted)
+        self.accepted.inc(record.accepted)
+        for i in range(record.accepted):
+            self.accepted_position.labels(position=str(i)).inc()
+        self.round_seconds.labels(part="draft").observe(record.draft_ms / 1000)
+        self.round_seconds.labels(part="verify").observe(record.verify_ms / 1000)
+        overhead = max(0.0, record.round_ms - record.draft_ms - record.verify_ms)
+        self.round_seconds.labels(part="overhead").observe(overhead / 1000)
+        self.round_seconds.labels(part="total").observe(record.round_ms / 1000)
+        if record.drafted:
+            trials = record.accepted + (1 if record.accepted < record.drafted else 0)
+            self._acceptance.update(record.accepted / trials)
+            self.acceptance.set(self._acceptance.value)
+        if record.fallback:
+            self.fallbacks.inc()
+        if record.reprefills:
+            self.reprefills.inc(record.reprefills)
+
+    def request_done(self, method: str, code: str, seconds: float, tokens: int) -> None:
+        self.requests.labels(method=method, code=code).inc()
+        self.request_seconds.observe(seconds)
+        self.tokens.inc(tokens)

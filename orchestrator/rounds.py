@@ -1,0 +1,268 @@
+"""One speculation round: propose on the draft, verify on the target, apply the outcome (no grpc here).
+
+A `Round` runs the two worker calls, with their recovery (re-prefill from the canonical tokens, draft
+fallback, target retry), cuts the output with the turn's stop conditions and returns one immutable
+`RoundRecord`. Everything else (stats, metrics, traces, the k policy, stream events) observes records.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from orchestrator.backends import DraftBackend, DraftReply, TargetBackend, VerifyReply
+from orchestrator.sessions import OrchestratorSession
+from orchestrator.stopping import FinishReason, StopConditions
+from specdec.contract import SamplingConfig
+from specdec.errors import (CacheMismatch, CapacityExceeded, DeadlineExceeded, InvalidRequest, SessionNotFound,
+                            WorkerInternalError, WorkerUnavailable)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """Everything one round did, as every observer sees it."""
+    session_id: str
+    index: int                  # 1-based, within the turn
+    position: int               # canonical length when the round started
+    policy: str
+    k: int                      # what the policy asked for, within the budget and the draft's context
+    drafts: tuple[int, ...]     # what the draft proposed (fewer than k: early stop or context)
+    draft_probs: tuple[float, ...]
+    accepted: int               # leading drafts the target accepted
+    emitted: tuple[int, ...]    # tokens this round added to the output, after the stop conditions
+    text_delta: str
+    finish: FinishReason | None
+    fallback: bool              # k > 0, but the draft could not serve this round (target-only)
+    greedy: bool
+    draft_ms: float             # draft compute
+    draft_token_ms: float       # per-token drafting cost, apart from catch-up (0: not measured)
+    verify_ms: float            # target compute
+    verify_wall_ms: float       # verify call as the orchestrator saw it
+    round_ms: float
+    draft_prefilled: int
+    target_prefilled: int
+    target_cached: int          # tokens the target reused from its cache in this round's commit
+    reprefills: int
+    bytes_to_draft: int = 0
+    bytes_from_draft: int = 0
+    bytes_to_target: int = 0
+    bytes_from_target: int = 0
+
+    @property
+    def drafted(self) -> int:
+        return len(self.drafts)
+
+    @property
+    def steady(self) -> bool:
+        """No prompt prefill in either call: the round's time says something about its k."""
+        return self.draft_prefilled <= 1 and self.target_prefilled <= 1
+
+
+class RoundObserver(Protocol):
+    def observe(self, record: RoundRecord) -> None: ...
+
+
+class DraftHealth:
+    """Backoff for a draft worker that failed: rounds fall back to k=0 until the next retry time."""
+
+    def __init__(self, initial_s: float = 0.5, max_s: float = 30.0) -> None:
+        self.initial_s, self.max_s = initial_s, max_s
+        self._backoff = 0.0
+        self._retry_at = 0.0
+        self.failures = 0
+
+    @property
+    def degraded(self) -> bool:
+        return self._backoff > 0
+
+    def usable(self) -> bool:
+        return time.monotonic() >= self._retry_at
+
+    def failed(self) -> None:
+        self.failures += 1
+        self._backoff = min(self.max_s, self._backoff * 2 if self._backoff else self.initial_s)
+        self._retry_at = time.monotonic() + self._backoff
+
+    def succeeded(self) -> None:
+        self._backoff = 0.0
+        self._retry_at = 0.0
+
+
+class Deadline:
+    def __init__(self, timeout_s: float | None) -> None:
+        self.at = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def remaining(self) -> float | None:
+        if self.at is None:
+            return None
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("deadline exceeded while generating")
+        return left
+
+
+@dataclass
+class Workers:
+    """The two backends and what the engine keeps about them across sessions."""
+    draft: DraftBackend
+    target: TargetBackend
+    draft_timeout_s: float
+    target_retry_s: float
+    draft_health_for: Callable[[str], DraftHealth]
+    draft_degraded: Callable[[], bool]
+    report_draft_health: Callable[[bool], Awaitable[None]]
+
+
+@dataclass
+class _Calls:
+    """What the worker calls of one round add up to."""
+    reprefills: int = 0
+    bytes_to_draft: int = 0
+    bytes_from_draft: int = 0
+    bytes_to_target: int = 0
+    bytes_from_target: int = 0
+    target_cached: int = 0
+
+
+class Round:
+    """The rounds of one turn share its session, sampling, deadline and stop conditions."""
+
+    def __init__(self, workers: Workers, session: OrchestratorSession, sampling: SamplingConfig,
+                 deadline: Deadline, stop: StopConditions, min_draft_prob: float, policy_name: str) -> None:
+        self.workers = workers
+        self.session = session
+        self.sampling = sampling
+        self.deadline = deadline
+        self.stop = stop
+        self.min_draft_prob = min_draft_prob
+        self.policy_name = policy_name
+        self.index = 0
+
+    async def run(self, k: int) -> RoundRecord:
+        """Propose k tokens (k = 0: target-only), verify them, append the outcome to the canonical list."""
+        started = time.perf_counter()
+        self.index += 1
+        canonical = self.session.tokens
+        position = len(canonical)
+        calls = _Calls()
+        use_draft = k > 0 and self.workers.draft_health_for(self.session.session_id).usable()
+        reply = await self._propose(k, calls) if use_draft else None
+        drafts = reply.tokens if reply else []
+        verify = await self._verify(drafts, reply.q_payload if reply else None, calls)
+        out = self.stop.apply((drafts[:verify.accepted_len] + [verify.next_token])[:self.stop.remaining])
+        canonical.extend(out.tokens)
+        return RoundRecord(
+            session_id=self.session.session_id, index=self.index, position=position, policy=self.policy_name,
+            k=k, drafts=tuple(drafts), draft_probs=tuple(reply.token_probs) if reply else (),
+            accepted=verify.accepted_len, emitted=out.tokens, text_delta=out.text_delta, finish=out.finish,
+            fallback=k > 0 and reply is None, greedy=self.sampling.greedy,
+            draft_ms=reply.compute_ms if reply else 0.0, draft_token_ms=_draft_token_ms(reply),
+            verify_ms=verify.compute_ms, verify_wall_ms=verify.wall_ms,
+            round_ms=(time.perf_counter() - started) * 1000.0,
+            draft_prefilled=reply.prefilled_tokens if reply else 0, target_prefilled=verify.prefilled_tokens,
+            target_cached=calls.target_cached, reprefills=calls.reprefills,
+            bytes_to_draft=calls.bytes_to_draft, bytes_from_draft=calls.bytes_from_draft,
+            bytes_to_target=calls.bytes_to_target, bytes_from_target=calls.bytes_from_target)
+
+    async def _propose(self, k: int, calls: _Calls) -> DraftReply | None:
+        """Ask the draft for k tokens; None if the draft cannot serve this round (it runs target-only).
+
+        Speculation is optional, so a draft failure never fails the request: it costs this round its
+        drafts. Only an outage (UNAVAILABLE, a draft timeout) puts the draft replica into backoff.
+        """
+        w, session, canonical = self.workers, self.session, self.session.tokens
+        view = session.draft_view
+        for attempt in range(2):
+            commit = view.commit_for(canonical)
+            left = self.deadline.remaining()
+            timeout = w.draft_timeout_s if left is None else min(left, w.draft_timeout_s)
+            try:
+                reply = await w.draft.propose(session.session_id, commit, k, self.sampling, self.min_draft_prob,
+                                              timeout)
+            except (SessionNotFound, CacheMismatch) as exc:
+                if attempt:
+                    raise
+                log.info("draft lost session %s (%s): re-prefilling", session.session_id, type(exc).__name__)
+                calls.reprefills += 1
+                view.reset()
+                continue
+            except (WorkerUnavailable, DeadlineExceeded) as exc:
+                self.deadline.remaining()  # our own deadline passing is the caller's error, not a fallback
+                log.warning("draft worker unavailable (%s); falling back to target-only", exc)
+                was_degraded = w.draft_degraded()
+                w.draft_health_for(session.session_id).failed()
+                # Whether or not the call ran, the draft still holds the committed prefix: keep it, so
+                # one slow round does not cost a re-prefill of the whole prefix.
+                view.keep(commit.cache_len)
+                if not was_degraded:
+                    await w.report_draft_health(True)
+                return None
+            except (CapacityExceeded, InvalidRequest, WorkerInternalError) as exc:
+                # Over its KV budget, a request this draft cannot serve (e.g. its context is shorter),
+                # or a bug in the draft: this round runs target-only. Not an outage: no backoff.
+                level = logging.ERROR if isinstance(exc, WorkerInternalError) else logging.WARNING
+                log.log(level, "draft cannot serve this round (%s); it runs target-only", exc)
+                view.keep(commit.cache_len)
+                return None
+            health = w.draft_health_for(session.session_id)
+            recovered = health.degraded
+            health.succeeded()
+            if recovered and not w.draft_degraded():
+                await w.report_draft_health(False)
+            calls.bytes_to_draft += reply.bytes_sent
+            calls.bytes_from_draft += reply.bytes_received
+            view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), reply.tokens, reply.cache_len)
+            return reply
+        return None
+
+    async def _verify(self, drafts: list[int], q_payload: Any, calls: _Calls) -> VerifyReply:
+        w, session, canonical = self.workers, self.session, self.session.tokens
+        view = session.target_view
+        retry_until = time.monotonic() + w.target_retry_s
+        backoff = 0.1
+        reprefilled = False
+        while True:
+            commit = view.commit_for(canonical)
+            try:
+                reply = await w.target.verify(session.session_id, commit, drafts, q_payload, self.sampling,
+                                              self.deadline.remaining())
+            except (SessionNotFound, CacheMismatch) as exc:
+                if reprefilled:
+                    raise
+                log.info("target lost session %s (%s): re-prefilling", session.session_id, type(exc).__name__)
+                calls.reprefills += 1
+                reprefilled = True
+                view.reset()
+                continue
+            except WorkerUnavailable as exc:
+                # A restart comes back empty (then NOT_FOUND re-prefills); a blip keeps the cache.
+                # Either way the committed prefix is the most the target can hold for us.
+                view.keep(commit.cache_len)
+                left = self.deadline.remaining()
+                if time.monotonic() + backoff > retry_until or (left is not None and left <= backoff):
+                    raise WorkerUnavailable(f"target worker unavailable for {w.target_retry_s:.0f}s: {exc}") from exc
+                await asyncio.sleep(backoff)
+                backoff = min(1.0, backoff * 2)
+                continue
+            calls.bytes_to_target += reply.bytes_sent
+            calls.bytes_from_target += reply.bytes_received
+            calls.target_cached = commit.cache_len
+            view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), drafts, reply.cache_len)
+            return reply
+
+
+def _draft_token_ms(reply: DraftReply | None) -> float:
+    """Per-token drafting cost from the forwards after the commit's catch-up forward, so a round that
+    prefilled, or caught up two tokens after a fully accepted round, still measures it. A call with
+    no forward after catch-up (k = 1, or a worker that predates the split) counts its whole time when
+    the catch-up was a single token. 0: not measurable this round."""
+    if reply is None or not reply.tokens:
+        return 0.0
+    if reply.draft_steps > 0:
+        return max(0.0, reply.compute_ms - reply.catchup_ms) / reply.draft_steps
+    return reply.compute_ms / len(reply.tokens) if reply.prefilled_tokens <= 1 else 0.0

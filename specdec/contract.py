@@ -1,0 +1,116 @@
+"""What the orchestrator and the workers agree on, with no torch: limits, the cache commit, sampling
+parameters, per-call stats, token-prefix hashing, and the protobuf <-> dataclass conversion of each.
+
+The orchestrator imports this module and never the model-side ones (sampling, worker_core, models),
+so its image needs no torch.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specdec.errors import InvalidRequest
+from specdec.v1 import common_pb2
+
+# The most tokens one round may draft (and the target verify). One limit for every component.
+MAX_K = 32
+MAX_SESSION_ID_LEN = 256
+# Temperatures below this are greedy (as in vLLM): dividing logits by a smaller one overflows float32
+# for no behavioural difference, since the warped distribution is already a point mass.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def validate_session_id(session_id: str) -> None:
+    if not session_id or len(session_id) > MAX_SESSION_ID_LEN or not session_id.isprintable():
+        raise InvalidRequest(f"session_id must be 1-{MAX_SESSION_ID_LEN} printable characters")
+
+
+# ----------------------------------------------------------------------------- tokens
+
+def prefix_hash(tokens: Sequence[int]) -> int:
+    """64-bit hash of a token sequence; 0 for the empty sequence."""
+    if not tokens:
+        return 0
+    data = array("q", tokens).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") or 1
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+# ----------------------------------------------------------------------------- messages
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def validate(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def to_pb(self) -> common_pb2.SamplingParams:
+        return common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                         seed=self.seed)
+
+    @classmethod
+    def from_pb(cls, msg: common_pb2.SamplingParams) -> "SamplingConfig":
+        return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p if msg.top_p > 0 else 1.0,
+                   seed=msg.seed)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """How the caller wants a worker's cache before the call works: keep cache_len tokens (whose hash
+    is prefix_hash), then append append_tokens."""
+    cache_len: int
+    prefix_hash: int
+    append_tokens: tuple[int, ...]
+
+    def to_pb(self) -> common_pb2.CacheCommit:
+        return common_pb2.CacheCommit(cache_len=self.cache_len, prefix_hash=self.prefix_hash,
+                                      append_tokens=list(self.append_tokens))
+
+    @classmethod
+    def from_pb(cls, msg: common_pb2.CacheCommit) -> "Commit":
+        return cls(cache_len=msg.cache_len, prefix_hash=msg.prefix_hash, append_tokens=tuple(msg.append_tokens))
+
+
+@dataclass
+class CallStats:
+    """What one worker call cost (WorkerTiming on the wire)."""
+    compute_ms: float = 0.0
+    fed_tokens: int = 0
+    prefilled_tokens: int = 0
+    # Draft only: time to apply the commit (catch-up/prefill forward), and the drafting forwards
+    # after it, so the per-token drafting cost is measured apart from catch-up.
+    catchup_ms: float = 0.0
+    draft_steps: int = 0
+
+    def to_pb(self) -> common_pb2.WorkerTiming:
+        return common_pb2.WorkerTiming(compute_ms=self.compute_ms, fed_tokens=self.fed_tokens,
+                                       prefilled_tokens=self.prefilled_tokens, catchup_ms=self.catchup_ms,
+                                       draft_steps=self.draft_steps)
+
+    @classmethod
+    def from_pb(cls, msg: common_pb2.WorkerTiming) -> "CallStats":
+        return cls(compute_ms=msg.compute_ms, fed_tokens=msg.fed_tokens, prefilled_tokens=msg.prefilled_tokens,
+                   catchup_ms=msg.catchup_ms, draft_steps=msg.draft_steps)

@@ -1,0 +1,91 @@
+"""Tokenizers, loaded without torch: the orchestrator tokenizes, and its image has no torch.
+
+transformers is imported only when an HF tokenizer is loaded (it works without torch installed).
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from specdec.model_refs import TinySpec, resolve_path
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer for the tiny test models: ids 0-255 are bytes, then specials."""
+
+    BOS, EOS, PAD = 256, 257, 258
+    SPECIALS = {BOS: "<s>", EOS: "</s>", PAD: "<pad>"}
+
+    def __init__(self, vocab_size: int = 260) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_id = self.EOS
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        data = bytes(i for i in ids if 0 <= i < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "<|assistant|>"
+        return self.encode(text)
+
+    def fingerprint(self) -> str:
+        return f"bytes-{self.vocab_size}"
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return [self.EOS]
+
+
+class HFTokenizer:
+    """Thin adapter so the orchestrator sees one tokenizer interface."""
+
+    def __init__(self, tok: Any, eos_ids: list[int]) -> None:
+        self._tok = tok
+        self._eos = eos_ids
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        out = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                            tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    def fingerprint(self) -> str:
+        vocab = sorted(self._tok.get_vocab().items(), key=lambda kv: kv[1])
+        digest = hashlib.sha256("\n".join(f"{t}\t{i}" for t, i in vocab).encode()).hexdigest()
+        return digest[:16]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos)
+
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def load_tokenizer(ref: str) -> Tokenizer:
+    if ref.startswith("tiny"):
+        return ByteTokenizer(TinySpec.parse(ref).vocab)
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    path, gguf = resolve_path(ref)
+    tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf) if gguf else AutoTokenizer.from_pretrained(path)
+    eos: set[int] = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
+    for loader in (GenerationConfig, AutoConfig):
+        try:
+            cfg = loader.from_pretrained(path, gguf_file=gguf) if gguf else loader.from_pretrained(path)
+        except (OSError, ValueError):
+            continue
+        value = getattr(cfg, "eos_token_id", None)
+        eos.update([value] if isinstance(value, int) else list(value or []))
+    return HFTokenizer(tok, sorted(eos))
