@@ -23,6 +23,7 @@ class ProposeResult:
     tokens: list[int] = field(default_factory=list)
     q: list[SparseDist] = field(default_factory=list)
     token_probs: list[float] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
     cache_len: int = 0
     stats: CallStats = field(default_factory=CallStats)
 
@@ -60,6 +61,7 @@ class DraftEngine:
             draft = propose_tokens(logits[-1], feed, k, params.sampling, position, self.max_q_entries,
                                    params.min_draft_prob, SeededRandomness(params.sampling.seed))
             result.tokens, result.q, result.token_probs = draft.tokens, draft.q, draft.token_probs
+            result.confidences = draft.confidences
             stats.draft_steps = draft.steps
             result.cache_len = len(session.tokens)
         stats.compute_ms = timer.ms

@@ -25,7 +25,8 @@ class DraftServicer(WorkerServicerBase, worker_pb2_grpc.DraftWorkerServicer):
                                min_draft_prob=request.min_draft_prob)
         result = await self.run_engine(context, lambda: self.engine.propose(params))
         return worker_pb2.ProposeResponse(tokens=result.tokens, q=[q.to_pb() for q in result.q],
-                                          token_probs=result.token_probs, cache_len=result.cache_len,
+                                          token_probs=result.token_probs, confidences=result.confidences,
+                                          cache_len=result.cache_len,
                                           timing=result.stats.to_pb())
 
 

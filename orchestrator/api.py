@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orchestrator.config import SpeculationOverride
-from orchestrator.rounds import RoundRecord
+from orchestrator.record import RoundRecord
 
 
 @dataclass(frozen=True)

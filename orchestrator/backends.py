@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from specdec.contract import Commit, SamplingConfig
+from specdec.contract import Commit, CostCurve, SamplingConfig
 
 
 @dataclass
@@ -19,6 +19,7 @@ class DraftReply:
     compute_ms: float
     prefilled_tokens: int
     q_payload: Any = None           # opaque, forwarded to the target
+    confidences: list[float] = field(default_factory=list)  # per position considered (see the proto)
     catchup_ms: float = 0.0         # part of compute_ms that applied the commit
     draft_steps: int = 0            # drafting forwards after the catch-up
     bytes_sent: int = 0
@@ -46,6 +47,7 @@ class WorkerDescription:
     max_context: int
     eos_token_ids: list[int] = field(default_factory=list)
     tokenizer_fingerprint: str = ""
+    forward_costs: CostCurve = CostCurve()  # measured by the worker at startup (may be empty)
 
 
 class DraftBackend(Protocol):

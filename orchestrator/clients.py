@@ -9,7 +9,7 @@ import grpc
 from orchestrator.backends import DraftReply, VerifyReply, WorkerDescription
 from specdec.errors import (CacheMismatch, CapacityExceeded, DeadlineExceeded, InvalidRequest,
                             SessionNotFound, SpecdecError, WorkerInternalError, WorkerUnavailable)
-from specdec.contract import Commit, SamplingConfig
+from specdec.contract import Commit, CostCurve, SamplingConfig
 from specdec.grpc_util import CHANNEL_OPTIONS
 from specdec.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -63,7 +63,8 @@ class _WorkerClient:
     async def describe(self, timeout_s: float | None = 30.0) -> WorkerDescription:
         info = await self._call(self._stub.GetInfo, common_pb2.GetInfoRequest(), timeout_s)
         return WorkerDescription(info.role, info.model_ref, info.vocab_size, info.max_context,
-                                 list(info.eos_token_ids), info.tokenizer_fingerprint)
+                                 list(info.eos_token_ids), info.tokenizer_fingerprint,
+                                 CostCurve.from_pb(info.forward_costs))
 
     async def close(self) -> None:
         await self.channel.close()
@@ -86,6 +87,7 @@ class GrpcDraftBackend(_WorkerClient):
                           cache_len=reply.cache_len, compute_ms=reply.timing.compute_ms,
                           prefilled_tokens=reply.timing.prefilled_tokens, q_payload=reply.q,
                           catchup_ms=reply.timing.catchup_ms, draft_steps=reply.timing.draft_steps,
+                          confidences=list(reply.confidences),
                           bytes_sent=request.ByteSize(), bytes_received=reply.ByteSize(),
                           wall_ms=(time.perf_counter() - start) * 1000.0)
 

@@ -99,7 +99,10 @@ class SpeculationConfig:
         unknown = set(values) - known
         if unknown:
             raise SpeculationConfigError(f"{source}: unknown [speculation] keys: {', '.join(sorted(unknown))}")
-        return replace(self, **values).validate()
+        try:
+            return replace(self, **values).validate()
+        except TypeError as exc:  # e.g. max_k = "8" in a TOML file
+            raise SpeculationConfigError(f"{source}: a [speculation] value has the wrong type: {exc}") from exc
 
     @classmethod
     def from_toml(cls, path: str, base: "SpeculationConfig | None" = None) -> "SpeculationConfig":
@@ -108,7 +111,8 @@ class SpeculationConfig:
         return (base or cls()).with_values(table, path)
 
     def make_policy(self) -> KPolicy:
-        self.validate()
+        if self.policy not in POLICY_NAMES:  # the rest was checked by validate(), once per request
+            raise SpeculationConfigError(f"unknown k policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
         if self.policy == "fixed":
             return FixedPolicy(k=self.fixed_k)
         if self.policy == "heuristic":

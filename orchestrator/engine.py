@@ -19,11 +19,12 @@ from orchestrator.api import EngineLimits, GenerateParams, GenerationEvent, Gene
 from orchestrator.backends import DraftBackend, TargetBackend, WorkerDescription
 from orchestrator.config import SpeculationConfig
 from orchestrator.kpolicy import SessionStats
-from orchestrator.rounds import Deadline, DraftHealth, Round, RoundObserver, RoundRecord, Workers
+from orchestrator.record import RoundObserver, RoundRecord
+from orchestrator.rounds import Deadline, DraftHealth, Round, Workers
 from orchestrator.sessions import OrchestratorSession, OrchestratorSessions
 from orchestrator.stopping import StopConditions
 from specdec.contract import SamplingConfig, validate_session_id
-from specdec.errors import InvalidRequest, SessionBusy, SpecdecError
+from specdec.errors import InvalidRequest, SessionBusy, SessionNotFound, SpecdecError
 from specdec.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class GenerationEngine:
         # Priors per (draft replica, target replica) pair: a new session starts from what recent
         # sessions measured on the same pair (speeds and acceptance differ between pairs).
         self.priors: dict[str, SessionStats] = {}
+        # Where a new pair's prior starts: the workers' own cost curves, measured at their startup.
+        self.seed_stats = seeded_stats(draft_info, target_info, self.speculation.max_k)
         self.sessions = OrchestratorSessions(limits.max_sessions, limits.session_ttl_s, self._end_on_workers)
         self._background: set[asyncio.Task[Any]] = set()
         self.workers = Workers(draft, target, limits.draft_timeout_s, limits.target_retry_s, self._draft_health_for,
@@ -149,7 +152,7 @@ class GenerationEngine:
         return f"{self._replica(self.draft, 'draft', session_id)}|{self._replica(self.target, 'target', session_id)}"
 
     def prior_for(self, session_id: str) -> SessionStats:
-        return _bounded_entry(self.priors, self.pair_key(session_id), SessionStats)
+        return _bounded_entry(self.priors, self.pair_key(session_id), lambda: copy.deepcopy(self.seed_stats))
 
     def _input_tokens(self, session: OrchestratorSession, params: GenerateParams) -> list[int]:
         """Canonical token list after appending this request's input to the session."""
@@ -192,6 +195,9 @@ class GenerationEngine:
         if session.lock.locked():
             raise SessionBusy(f"session {session_id!r} is busy with another request; retry when it finishes")
         async with session.lock:
+            if self.sessions.get(session_id) is not session:
+                # An EndSession queued on the lock ended it while this request waited.
+                raise SessionNotFound(f"session {session_id!r} was ended; start a new one")
             saved_tokens, saved_messages = list(session.tokens), list(session.messages)
             completed = False
             try:
@@ -242,6 +248,16 @@ class GenerationEngine:
         if session.messages and params.messages is not None:
             session.messages.append({"role": "assistant", "content": stop.full_text})
         yield GenerationEvent(record.text_delta, list(record.emitted), record.finish, stats, label)
+
+
+def seeded_stats(draft: WorkerDescription | None, target: WorkerDescription, max_k: int) -> SessionStats:
+    """Policy state before any round: verifying k drafts costs one target forward over k + 1 tokens,
+    drafting one token one draft forward over 1 token, as the workers measured them at startup."""
+    stats = SessionStats()
+    verify = {k: ms for k in range(0, max_k + 1) if (ms := target.forward_costs.ms(k + 1)) is not None}
+    draft_ms = draft.forward_costs.ms(1) if draft is not None else None
+    stats.timing.seed(draft_ms, verify)
+    return stats
 
 
 class _PriorObserver:

@@ -66,8 +66,41 @@ class TimingModel:
     rtt_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 1.0))
 
     def verify_ms(self, k: int) -> float:
-        measured = self.verify_by_k.get(k)
-        return measured.value if measured is not None else self.verify_line(k)
+        """Verify cost of k drafts, monotone in k.
+
+        Measured per-k values (made non-decreasing), linear between measured k, the fitted slope past
+        the largest. Below the smallest measured k: that value scaled by the token count (k + 1
+        tokens), never the line's intercept, which large-k rounds fit and which says nothing about
+        small k. The scaling is optimistic on purpose: the policy tries the smaller k and measures
+        it. Only with nothing measured at all does the prior line answer.
+        """
+        if not self.verify_by_k:
+            return self.verify_line(k)
+        envelope, highest = [], 0.0
+        for j in sorted(self.verify_by_k):
+            highest = max(highest, self.verify_by_k[j].value)
+            envelope.append((j, highest))
+        slope = self.verify_line.slope
+        first_k, first_ms = envelope[0]
+        if k <= first_k:
+            return first_ms * (k + 1) / (first_k + 1)
+        for (k0, ms0), (k1, ms1) in zip(envelope, envelope[1:]):
+            if k <= k1:
+                return ms0 + (ms1 - ms0) * (k - k0) / (k1 - k0)
+        last_k, last_ms = envelope[-1]
+        if len(envelope) < 2:  # no slope measured on this machine: scale by tokens, not a prior slope
+            return last_ms * (k + 1) / (last_k + 1)
+        return last_ms + slope * (k - last_k)
+
+    def seed(self, draft_ms_per_token: float | None, verify_ms_by_k: dict[int, float]) -> None:
+        """Start from a worker's own measured cost curve (self-calibration) instead of the defaults."""
+        if draft_ms_per_token is not None:
+            self.draft_ms_per_token = Ewma(self.draft_ms_per_token.alpha, draft_ms_per_token)
+        for k, ms in verify_ms_by_k.items():
+            self.verify_by_k[k] = Ewma(0.3, ms)
+        if len(verify_ms_by_k) >= 2:
+            for k, ms in sorted(verify_ms_by_k.items()):
+                self.verify_line.update(k, ms)
 
     def observe_draft(self, k: int, compute_ms: float) -> None:
         if k > 0:
@@ -128,7 +161,8 @@ class SessionStats:
 
 def draft_forwards(k: int, drafted: int) -> int:
     """Forward passes a draft call ran for `drafted` of k tokens: an early stop also ran the forward
-    whose token fell below min_draft_prob (and at the first position, a call that proposed nothing)."""
+    whose distribution's confidence fell below min_draft_prob (at the first position, the commit's
+    own forward, and the call proposed nothing)."""
     return drafted + (1 if drafted < k else 0)
 
 
@@ -240,7 +274,3 @@ def _clamp(k: int, lo: int, hi: int) -> int:
 def speedup_bound(a: float, k: int, c: float) -> float:
     """Leviathan et al.'s expected speedup S(k) = (1 - a^(k+1)) / ((1 - a)(k*c + 1))."""
     return expected_tokens(a, k) / (k * c + 1.0)
-
-
-def clamp_prob(x: float) -> float:
-    return 0.0 if math.isnan(x) else min(max(x, 0.0), 1.0)

@@ -11,60 +11,17 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from orchestrator.backends import DraftBackend, DraftReply, TargetBackend, VerifyReply
+from orchestrator.record import RoundRecord
 from orchestrator.sessions import OrchestratorSession
-from orchestrator.stopping import FinishReason, StopConditions
+from orchestrator.stopping import StopConditions
 from specdec.contract import SamplingConfig
 from specdec.errors import (CacheMismatch, CapacityExceeded, DeadlineExceeded, InvalidRequest, SessionNotFound,
                             WorkerInternalError, WorkerUnavailable)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    """Everything one round did, as every observer sees it."""
-    session_id: str
-    index: int                  # 1-based, within the turn
-    position: int               # canonical length when the round started
-    policy: str
-    k: int                      # what the policy asked for, within the budget and the draft's context
-    drafts: tuple[int, ...]     # what the draft proposed (fewer than k: early stop or context)
-    draft_probs: tuple[float, ...]
-    accepted: int               # leading drafts the target accepted
-    emitted: tuple[int, ...]    # tokens this round added to the output, after the stop conditions
-    text_delta: str
-    finish: FinishReason | None
-    fallback: bool              # k > 0, but the draft could not serve this round (target-only)
-    greedy: bool
-    draft_ms: float             # draft compute
-    draft_token_ms: float       # per-token drafting cost, apart from catch-up (0: not measured)
-    verify_ms: float            # target compute
-    verify_wall_ms: float       # verify call as the orchestrator saw it
-    round_ms: float
-    draft_prefilled: int
-    target_prefilled: int
-    target_cached: int          # tokens the target reused from its cache in this round's commit
-    reprefills: int
-    bytes_to_draft: int = 0
-    bytes_from_draft: int = 0
-    bytes_to_target: int = 0
-    bytes_from_target: int = 0
-
-    @property
-    def drafted(self) -> int:
-        return len(self.drafts)
-
-    @property
-    def steady(self) -> bool:
-        """No prompt prefill in either call: the round's time says something about its k."""
-        return self.draft_prefilled <= 1 and self.target_prefilled <= 1
-
-
-class RoundObserver(Protocol):
-    def observe(self, record: RoundRecord) -> None: ...
 
 
 class DraftHealth:
@@ -159,6 +116,7 @@ class Round:
         return RoundRecord(
             session_id=self.session.session_id, index=self.index, position=position, policy=self.policy_name,
             k=k, drafts=tuple(drafts), draft_probs=tuple(reply.token_probs) if reply else (),
+            draft_confidences=tuple(reply.confidences) if reply else (),
             accepted=verify.accepted_len, emitted=out.tokens, text_delta=out.text_delta, finish=out.finish,
             fallback=k > 0 and reply is None, greedy=self.sampling.greedy,
             draft_ms=reply.compute_ms if reply else 0.0, draft_token_ms=_draft_token_ms(reply),

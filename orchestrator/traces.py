@@ -33,6 +33,9 @@ class RoundTrace:
     # Per-token drafting cost of this round, timed apart from the commit's catch-up forward
     # (0 in traces recorded before it existed, or when the round drafted fewer than 2 tokens).
     draft_token_ms: float = 0.0
+    # The draft's max probability per position considered, the quantity min_draft_prob compares
+    # (empty in older traces: draft_probs stands in, which is the same for greedy).
+    draft_confidences: list[float] = field(default_factory=list)
 
     @property
     def pattern(self) -> list[int]:
@@ -56,7 +59,8 @@ class TraceWriter:
             draft_probs=[round(p, 5) for p in record.draft_probs], draft_ms=round(record.draft_ms, 3),
             verify_ms=round(record.verify_ms, 3), round_ms=round(record.round_ms, 3),
             draft_prefilled=record.draft_prefilled, target_prefilled=record.target_prefilled,
-            greedy=record.greedy, fallback=record.fallback, draft_token_ms=round(record.draft_token_ms, 3)))
+            greedy=record.greedy, fallback=record.fallback, draft_token_ms=round(record.draft_token_ms, 3),
+            draft_confidences=[round(p, 5) for p in record.draft_confidences]))
 
     def write(self, trace: RoundTrace) -> None:
         line = json.dumps(asdict(trace), separators=(",", ":"))

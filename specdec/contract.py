@@ -114,3 +114,33 @@ class CallStats:
     def from_pb(cls, msg: common_pb2.WorkerTiming) -> "CallStats":
         return cls(compute_ms=msg.compute_ms, fed_tokens=msg.fed_tokens, prefilled_tokens=msg.prefilled_tokens,
                    catchup_ms=msg.catchup_ms, draft_steps=msg.draft_steps)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """A worker's measured forward cost: ms for `tokens` new tokens on top of `context` cached ones.
+
+    Measured by the worker at startup (specdec.calibration), sent in GetInfo, used by the orchestrator
+    to seed the k policy before the first request."""
+    points: tuple[tuple[int, int, float], ...] = ()  # (tokens, context, ms)
+
+    def ms(self, tokens: int) -> float | None:
+        """Cost of a forward over `tokens` at the shortest measured context: measured, or linearly
+        interpolated between the nearest measured token counts; None beyond the measured range."""
+        if not self.points:
+            return None
+        context = min(c for _, c, _ in self.points)
+        curve = sorted((t, ms) for t, c, ms in self.points if c == context)
+        for (t0, m0), (t1, m1) in zip(curve, curve[1:]):
+            if t0 <= tokens <= t1:
+                return m0 + (m1 - m0) * (tokens - t0) / (t1 - t0) if t1 > t0 else m0
+        if curve and curve[0][0] == tokens:
+            return curve[0][1]
+        return None
+
+    def to_pb(self) -> list[common_pb2.ForwardCost]:
+        return [common_pb2.ForwardCost(tokens=t, context=c, ms=ms) for t, c, ms in self.points]
+
+    @classmethod
+    def from_pb(cls, msgs: Sequence[common_pb2.ForwardCost]) -> "CostCurve":
+        return cls(tuple((m.tokens, m.context, m.ms) for m in msgs))

@@ -26,6 +26,11 @@ class WorkerCollector:
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([role], value)
             yield g
+        curve = GaugeMetricFamily("specdec_worker_forward_ms", "Startup-measured forward time over `tokens` new "
+                                  "tokens on `context` cached ones", labels=["role", "tokens", "context"])
+        for tokens, context, ms in core.cost_curve.points:
+            curve.add_metric([role, str(tokens), str(context)], ms)
+        yield curve
         counters = [("specdec_worker_calls", "Propose/Verify calls", core.counters.calls),
                     ("specdec_worker_fed_tokens", "Tokens run through the model", core.counters.fed_tokens),
                     ("specdec_worker_prefilled_tokens", "Tokens appended by commits", core.counters.prefilled_tokens),

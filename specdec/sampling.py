@@ -150,6 +150,8 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     q: list[SparseDist] = field(default_factory=list)
     token_probs: list[float] = field(default_factory=list)
+    # Max probability at each position considered (drafted ones, and the one an early stop ended at).
+    confidences: list[float] = field(default_factory=list)
     # Forwards run after the first (the first position's logits come from applying the commit).
     steps: int = 0
 
@@ -181,6 +183,7 @@ def propose_tokens(first_logits: torch.Tensor, feed: Callable[[int], torch.Tenso
     logits = first_logits
     for i in range(k):
         confidence, q = draft_confidence(logits, cfg, max_entries)
+        draft.confidences.append(confidence)
         if min_draft_prob > 0 and confidence < min_draft_prob:
             break
         if q is None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from specdec.contract import CallStats, Commit, prefix_hash, validate_session_id
+from specdec.contract import CallStats, Commit, CostCurve, prefix_hash, validate_session_id
 from specdec.errors import CacheMismatch, CapacityExceeded, InvalidRequest, SessionNotFound
 from specdec.models import LoadedModel, cache_nbytes, crop_cache, new_cache
 from specdec.session_store import SessionStore
@@ -69,6 +69,9 @@ class WorkerCore:
         self.store: SessionStore[WorkerSession] = SessionStore(limits.max_bytes, limits.ttl_s,
                                                                limits.max_sessions)
         self.counters = WorkerCounters()
+        # Set by startup calibration (specdec.calibration); reported in GetInfo.
+        self.cost_curve = CostCurve()
+        self.gemm_path = ""
         # Estimated from the config so that even the first request is checked against the budget;
         # replaced by the measured value after the first forward.
         self._bytes_per_token = estimate_kv_bytes_per_token(loaded.model)
@@ -113,7 +116,14 @@ class WorkerCore:
     def feed(self, session: WorkerSession, tokens: Sequence[int]) -> torch.Tensor:
         """Run tokens through the model on top of the session cache; returns logits [len(tokens), V]."""
         input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True)
+        try:
+            out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True)
+        except BaseException:
+            # Some layers may have appended to the cache before the failure: nothing in it can be
+            # trusted. An empty session makes the next commit fail its check and re-prefill.
+            session.cache = new_cache(self.model)
+            session.tokens.clear()
+            raise
         session.tokens.extend(tokens)
         self.counters.fed_tokens += len(tokens)
         if not self._measured_bytes and session.tokens and session.nbytes():

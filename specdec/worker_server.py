@@ -48,7 +48,8 @@ class WorkerServicerBase:
             role=self.core.role, model_ref=loaded.ref, vocab_size=loaded.vocab_size,
             max_context=loaded.max_context, eos_token_ids=loaded.eos_token_ids,
             tokenizer_fingerprint=loaded.tokenizer.fingerprint(), sessions=len(self.core.store),
-            cache_bytes=self.core.store.total_bytes(), cache_budget_bytes=self.core.store.max_bytes)
+            cache_bytes=self.core.store.total_bytes(), cache_budget_bytes=self.core.store.max_bytes,
+            forward_costs=self.core.cost_curve.to_pb(), gemm_path=self.core.gemm_path)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -66,6 +67,11 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: target float32, "
                         "draft bfloat16 where the CPU/GPU has fast bf16)")
+    parser.add_argument("--calibration-s", type=float, default=20.0,
+                        help="startup budget to choose the CPU GEMM path and measure the forward cost curve "
+                             "(0 skips both; the k policy then starts from generic defaults)")
+    parser.add_argument("--max-k", type=int, default=8,
+                        help="largest k to calibrate for (the orchestrator's max_k)")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     parser.add_argument("--drain-delay-s", type=float, default=0.0,
                         help="on SIGTERM, report NOT_SERVING this long before refusing new calls")
@@ -90,6 +96,8 @@ async def serve_worker(args: argparse.Namespace, role: str,
     log.info("loading %s model %s (%s)", role, args.model, dtype)
     loaded = await asyncio.to_thread(load_model, args.model, dtype, args.device)
     core = WorkerCore(loaded, role, store_limits(args))
+    from specdec.calibration import calibrate
+    await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s)
     servicer = make_servicer(core)
     credentials = None
     if args.tls_cert and args.tls_key:

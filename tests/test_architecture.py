@@ -9,7 +9,8 @@ from pathlib import Path
 from orchestrator.config import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
-TORCH_SIDE = {"specdec.sampling", "specdec.worker_core", "specdec.models", "specdec.worker_server"}
+TORCH_SIDE = {"specdec.sampling", "specdec.worker_core", "specdec.models", "specdec.worker_server",
+              "specdec.calibration", "specdec.linear_path"}
 
 
 def modules(package: str) -> list[Path]:

@@ -169,6 +169,8 @@ def restricted(model: LogitsFn, vocab: int, allowed: list[int]) -> LogitsFn:
 
 
 def make_case(name: str, vocab: int) -> Case:
+    """The early-stop thresholds let the draft start at the root and stop at some deeper positions,
+    at vocabulary 3 and 4 (test_the_early_stop_cases_really_stop_early checks it)."""
     target, draft = table_model(1, vocab), table_model(2, vocab)
     t1 = SamplingConfig(temperature=1.0, seed=0)
     cases = {
@@ -181,11 +183,11 @@ def make_case(name: str, vocab: int) -> Case:
         "disjoint": Case(t1, restricted(target, vocab, [0, 1]), restricted(draft, vocab, list(range(2, vocab))),
                          vocab),
         "truncated_q": Case(t1, target, draft, vocab, max_q=2),
-        "min_draft_prob": Case(t1, target, draft, vocab, min_draft_prob=0.45),
+        "min_draft_prob": Case(t1, target, draft, vocab, min_draft_prob=0.475),
         "min_draft_prob_top_p": Case(SamplingConfig(temperature=0.8, top_p=0.9), target, draft, vocab,
-                                     min_draft_prob=0.6),
+                                     min_draft_prob=0.52),
         "greedy": Case(SamplingConfig(), target, draft, vocab),
-        "greedy_min_draft_prob": Case(SamplingConfig(), target, draft, vocab, min_draft_prob=0.6),
+        "greedy_min_draft_prob": Case(SamplingConfig(), target, draft, vocab, min_draft_prob=0.475),
     }
     return cases[name]
 
@@ -236,6 +238,26 @@ def test_min_draft_prob_stops_before_drawing() -> None:
     case = Case(case.cfg, case.target, case.draft, case.vocab, min_draft_prob=1.0)
     paths = enumerate_paths(lambda rng: production_round(case, (), 3, rng))
     assert all(len(emitted) == 1 for emitted, _ in paths)
+
+
+@pytest.mark.parametrize("name", ["min_draft_prob", "min_draft_prob_top_p", "greedy_min_draft_prob"])
+def test_the_early_stop_cases_really_stop_early(name: str) -> None:
+    """In the early-stop cases the stop fires on some paths and not on others (k = 3, vocab 3, rounds
+    starting at the contexts the proofs above reach), so their exactness covers drafts of every length."""
+    case = make_case(name, vocab=3)
+    starts = [()] + [(a,) for a in range(3)] + [(a, b) for a in range(3) for b in range(3)]
+    lengths: set[int] = set()
+    for start in starts:
+        def drafted(rng, start: tuple[int, ...] = start) -> tuple[int, ...]:
+            fed = list(start)
+
+            def feed(token: int) -> torch.Tensor:
+                fed.append(token)
+                return case.draft(tuple(fed))
+            return tuple(propose_tokens(case.draft(start), feed, 3, case.cfg, len(start), case.max_q,
+                                        case.min_draft_prob, rng).tokens)
+        lengths |= {len(tokens) for tokens, _ in enumerate_paths(drafted)}
+    assert 3 in lengths and min(lengths) < 3, lengths
 
 
 # ----------------------------------------------------------------------------- the harness has teeth

@@ -215,3 +215,27 @@ async def test_a_draft_timeout_does_not_re_prefill_the_prefix() -> None:
     # The draft is still believed to hold the prefix it was sent before the slow call.
     assert after_timeout.cache_len >= draft.commits[1].cache_len >= len(prompt) - 1
     assert len(after_timeout.append_tokens) <= 8
+
+
+async def test_a_forward_that_fails_halfway_leaves_no_stray_cache_entries(disagreeing_stack, monkeypatch) -> None:
+    """A failure inside the model (after some layers appended to the KV cache) must not leave those
+    entries behind: the next turn re-prefills and equals a session that never failed."""
+    stack = disagreeing_stack
+    reference = await run_turns(stack, "reference")
+    first = await stack.generate(prompt_ids=TURNS[0], max_new_tokens=NEW, session_id="s", speculation=SPEC)
+    layer = stack.target.core.model.model.layers[1]
+    original = layer.forward
+    calls = [0]
+
+    def fail_once(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("injected failure inside the forward")
+        return original(*args, **kwargs)
+    monkeypatch.setattr(layer, "forward", fail_once)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.generate(prompt_ids=TURNS[1], max_new_tokens=NEW, session_id="s", speculation=SPEC)
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    rest = [list((await stack.generate(prompt_ids=turn, max_new_tokens=NEW, session_id="s",
+                                       speculation=SPEC)).token_ids) for turn in TURNS[1:]]
+    assert [list(first.token_ids)] + rest == reference

@@ -415,21 +415,46 @@ def main(argv: list[str] | None = None) -> None:
         "command": "specdec bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
         "duration_s": round(time.time() - started, 1),
-        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": describe_machine(),
         "target": args.target, "draft": args.draft, "draft_dtype": str(draft_dtype), "config": config,
         "prompts": [p["id"] for p in chosen], "max_new_tokens": args.max_new_tokens,
         "summaries": summaries, "runs": [asdict(r) for r in runs],
     }
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    m = report["machine"]
     md = [f"# specdec bench\n\n`{report['command']}` — {report['started']} UTC, {report['duration_s']:.0f} s, "
           f"target `{args.target}`, draft `{args.draft}` ({draft_dtype}), prompts {', '.join(report['prompts'])}, "
-          f"{args.max_new_tokens} new tokens.\n"]
+          f"{args.max_new_tokens} new tokens.\n\nMachine: {m['cpu']} ({m['cpus']} cpus; flags {m['flags']}); "
+          f"{m['gpu']}; torch {m['torch']}.\n"]
     md += [markdown(s) for s in summaries]
     paths = plots(summaries, runs, out_dir)
     md.append("\n" + "\n".join(f"![{p.stem}]({p.name})" for p in paths) + "\n")
     (out_dir / "report.md").write_text("\n".join(md))
     print("\n".join(md))
     print(f"wrote {out_dir / 'report.md'}, {out_dir / 'report.json'} and {len(paths)} plots")
+
+
+def describe_machine() -> dict[str, Any]:
+    """What a figure depends on: CPU model and the flags that change small-M GEMM, or the GPU."""
+    import os
+    import subprocess
+    cpu, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "Model name":
+                cpu = value.strip()
+            elif key.strip() == "Flags":
+                flags = set(value.split())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    relevant = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"]
+    gpu = "no GPU"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = f"GPU {props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}"
+    return {"cpu": cpu, "cpus": os.cpu_count(), "flags": " ".join(f for f in relevant if f in flags) or "none of "
+            + "/".join(relevant), "gpu": gpu, "platform": platform.platform(), "torch": torch.__version__}
 
 
 if __name__ == "__main__":

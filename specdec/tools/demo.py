@@ -72,7 +72,10 @@ def local_services(target: str, draft: str, threads: int, orch_args: list[str],
     services: list[Service] = []
     try:
         thread_args = ["--threads", str(threads)] if threads else []
+        # One after the other: each worker calibrates at startup, and two calibrating at once on the
+        # same cores would measure each other.
         services.append(Service("target", ["target_worker", "--model", target, *thread_args], workdir))
+        wait_ready(services, timeout_s)
         services.append(Service("draft", ["draft_worker", "--model", draft, *thread_args], workdir))
         wait_ready(services, timeout_s)
         services.append(Service("orchestrator", [

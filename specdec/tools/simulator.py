@@ -98,14 +98,15 @@ def build(traces: Sequence) -> TraceData:
         pattern = t.pattern
         for i, match in enumerate(pattern):
             ep.match.append(match)
-            ep.confidence.append(t.draft_probs[i] if i < len(t.draft_probs) else None)
+            confidences = t.draft_confidences or t.draft_probs
+            ep.confidence.append(confidences[i] if i < len(confidences) else None)
         if len(pattern) == t.accepted:  # no rejection: a bonus token or target-only round, never drafted
             ep.match.append(None)
             ep.confidence.append(None)
         if t.draft_token_ms > 0:
             # Timed apart from catch-up, so valid after a prefill or a fully accepted round too.
             draft_per_token.append(t.draft_token_ms)
-        if t.draft_prefilled <= 1 and t.target_prefilled <= 1 and not t.fallback:
+        if t.draft_prefilled <= 2 and t.target_prefilled <= 1 and not t.fallback:
             if t.drafted > 0 and not t.draft_token_ms:  # older traces: whole call over its forwards
                 draft_per_token.append(t.draft_ms / draft_forwards(t.k, t.drafted))
             verify_by_k.setdefault(t.drafted, []).append(t.verify_ms)

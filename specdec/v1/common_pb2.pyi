@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -59,7 +59,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "model_ref", "vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "sessions", "cache_bytes", "cache_budget_bytes")
+    __slots__ = ("role", "model_ref", "vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "sessions", "cache_bytes", "cache_budget_bytes", "forward_costs", "gemm_path")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_REF_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,8 @@ class WorkerInfo(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_COSTS_FIELD_NUMBER: _ClassVar[int]
+    GEMM_PATH_FIELD_NUMBER: _ClassVar[int]
     role: str
     model_ref: str
     vocab_size: int
@@ -78,4 +80,16 @@ class WorkerInfo(_message.Message):
     sessions: int
     cache_bytes: int
     cache_budget_bytes: int
-    def __init__(self, role: _Optional[str] = ..., model_ref: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ...) -> None: ...
+    forward_costs: _containers.RepeatedCompositeFieldContainer[ForwardCost]
+    gemm_path: str
+    def __init__(self, role: _Optional[str] = ..., model_ref: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., forward_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., gemm_path: _Optional[str] = ...) -> None: ...
+
+class ForwardCost(_message.Message):
+    __slots__ = ("tokens", "context", "ms")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    context: int
+    ms: float
+    def __init__(self, tokens: _Optional[int] = ..., context: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...

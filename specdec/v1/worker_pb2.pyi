@@ -30,18 +30,20 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.CacheCommit, _Mapping]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_draft_prob: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("tokens", "q", "token_probs", "cache_len", "timing")
+    __slots__ = ("tokens", "q", "token_probs", "cache_len", "timing", "confidences")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     token_probs: _containers.RepeatedScalarFieldContainer[float]
     cache_len: int
     timing: _common_pb2.WorkerTiming
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., token_probs: _Optional[_Iterable[float]] = ..., cache_len: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.WorkerTiming, _Mapping]] = ...) -> None: ...
+    confidences: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., token_probs: _Optional[_Iterable[float]] = ..., cache_len: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.WorkerTiming, _Mapping]] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "commit", "draft_tokens", "q", "sampling")

@@ -1,0 +1,53 @@
+"""What one round did: the immutable record every observer sees (stats, metrics, traces, k policy)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from orchestrator.stopping import FinishReason
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """Everything one round did, as every observer sees it."""
+    session_id: str
+    index: int                  # 1-based, within the turn
+    position: int               # canonical length when the round started
+    policy: str
+    k: int                      # what the policy asked for, within the budget and the draft's context
+    drafts: tuple[int, ...]     # what the draft proposed (fewer than k: early stop or context)
+    draft_probs: tuple[float, ...]
+    draft_confidences: tuple[float, ...]  # max probability per position considered (early-stop rule)
+    accepted: int               # leading drafts the target accepted
+    emitted: tuple[int, ...]    # tokens this round added to the output, after the stop conditions
+    text_delta: str
+    finish: FinishReason | None
+    fallback: bool              # k > 0, but the draft could not serve this round (target-only)
+    greedy: bool
+    draft_ms: float             # draft compute
+    draft_token_ms: float       # per-token drafting cost, apart from catch-up (0: not measured)
+    verify_ms: float            # target compute
+    verify_wall_ms: float       # verify call as the orchestrator saw it
+    round_ms: float
+    draft_prefilled: int
+    target_prefilled: int
+    target_cached: int          # tokens the target reused from its cache in this round's commit
+    reprefills: int
+    bytes_to_draft: int = 0
+    bytes_from_draft: int = 0
+    bytes_to_target: int = 0
+    bytes_from_target: int = 0
+
+    @property
+    def drafted(self) -> int:
+        return len(self.drafts)
+
+    @property
+    def steady(self) -> bool:
+        """No prompt prefill in either call: the round's time says something about its k. (The draft
+        catches up 2 tokens after a fully accepted round: that is steady state too.)"""
+        return self.draft_prefilled <= 2 and self.target_prefilled <= 1
+
+
+class RoundObserver(Protocol):
+    def observe(self, record: RoundRecord) -> None: ...

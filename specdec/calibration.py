@@ -1,0 +1,90 @@
+"""Self-calibration at startup: a worker measures its own forward cost curve (torch).
+
+The orchestrator seeds the k policy from it, so the first request of a fresh deployment already picks
+a good k on whatever machine this is, instead of a prior tuned on another CPU. Bounded by a time
+budget: token counts are measured in order of information (1, the largest, then the gaps), and what
+the budget leaves out is interpolated by the orchestrator.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from specdec.contract import CostCurve
+from specdec.models import crop_cache, new_cache
+from specdec.worker_core import WorkerCore
+
+log = logging.getLogger(__name__)
+
+
+def measurement_order(max_tokens: int) -> list[int]:
+    """1 and max_tokens first, then the midpoints of the widest gaps: every prefix of this order
+    brackets the whole range as well as it can."""
+    order = [1] + ([max_tokens] if max_tokens > 1 else [])
+    measured = sorted(order)
+    while len(order) < max_tokens:
+        gaps = [(b - a, a, b) for a, b in zip(measured, measured[1:]) if b - a > 1]
+        _, _, a, b = max((gap, -a, a, b) for gap, a, b in gaps)  # ties: the smaller counts first
+        mid = (a + b) // 2
+        order.append(mid)
+        measured = sorted(order)
+    return order
+
+
+@torch.inference_mode()
+def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int, contexts: tuple[int, ...],
+                       budget_s: float, reps: int = 1, clock: Callable[[], float] = time.monotonic) -> CostCurve:
+    """Median ms of a forward over t new tokens on top of c cached ones, for t in 1..max_tokens."""
+    if budget_s <= 0:
+        return CostCurve()
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    started = clock()
+    points: list[tuple[int, int, float]] = []
+    for context in contexts:
+        if points and clock() - started > budget_s / 2:
+            break  # a further context needs its own prefill: only while half the budget is left
+        cache = new_cache(model)
+        prefix = torch.randint(0, vocab_size, (1, context), generator=gen).to(device)
+        model(input_ids=prefix, past_key_values=cache, use_cache=True)
+        for i, tokens in enumerate(measurement_order(max_tokens)):
+            # 1 and max_tokens are always measured (they bracket the curve); the rest within budget.
+            if clock() - started > budget_s and (i >= 2 or context != contexts[0]):
+                break
+            ids = torch.randint(0, vocab_size, (1, tokens), generator=gen).to(device)
+            times = []
+            for _ in range(reps + 1):  # the first run warms the kernels for this shape
+                start = time.perf_counter()
+                model(input_ids=ids, past_key_values=cache, use_cache=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append((time.perf_counter() - start) * 1000.0)
+                crop_cache(cache, context)
+            points.append((tokens, context, sorted(times[1:])[len(times[1:]) // 2]))
+    curve = CostCurve(tuple(sorted(points)))
+    log.info("cost curve (%.1fs): %s", clock() - started,
+             ", ".join(f"{t}@{c}: {ms:.1f}ms" for t, c, ms in curve.points))
+    return curve
+
+
+def calibrate(core: WorkerCore, max_k: int, budget_s: float) -> None:
+    """At worker startup: choose the GEMM path (CPU), then measure the cost curve, within budget_s.
+
+    The draft forwards 1 token per drafting step and up to 2 on catch-up; the target verifies up to
+    max_k + 1. Contexts: a short and a longer prompt, the second only as far as the budget allows.
+    """
+    from specdec import linear_path
+    if budget_s <= 0:
+        return
+    started = time.monotonic()
+    max_tokens = 2 if core.role == "draft" else max_k + 1
+    paths = linear_path.choose_and_apply(core.model, max_tokens, budget_s / 2)
+    core.gemm_path = paths.summary()
+    left = budget_s - (time.monotonic() - started)
+    # The orchestrator prices rounds at the short context; a longer one is measured (and reported for
+    # operators) only with budget to spare. The end points of the short one are always measured.
+    contexts = tuple(sorted({min(64, core.max_context // 4), min(256, core.max_context // 2)}))
+    core.cost_curve = measure_cost_curve(core.model, core.vocab_size, max_tokens, contexts, max(left, 1e-9))
