@@ -88,8 +88,6 @@ class TimingModel:
             if k <= k1:
                 return ms0 + (ms1 - ms0) * (k - k0) / (k1 - k0)
         last_k, last_ms = envelope[-1]
-        if len(envelope) < 2:  # no slope measured on this machine: scale by tokens, not a prior slope
-            return last_ms * (k + 1) / (last_k + 1)
         return last_ms + slope * (k - last_k)
 
     def seed(self, draft_ms_per_token: float | None, verify_ms_by_k: dict[int, float]) -> None:
