@@ -151,10 +151,13 @@ class SessionStats:
             self.rounds_since_draft += 1
             return
         self.rounds_since_draft = 0
-        # Under a geometric model, a round with `accepted` successes then (maybe) a failure gives the
-        # per-token estimate accepted / (accepted + 1 if rejected else accepted).
-        trials = accepted + (1 if accepted < k else 0)
-        self.acceptance.update(accepted / trials)
+        self.acceptance.update(per_token_acceptance(k, accepted))
+
+
+def per_token_acceptance(drafted: int, accepted: int) -> float:
+    """Under a geometric model, a round with `accepted` successes then (maybe) a failure gives the
+    per-token estimate accepted / (accepted + 1 if rejected else accepted). drafted must be > 0."""
+    return accepted / (accepted + (1 if accepted < drafted else 0))
 
 
 def draft_forwards(k: int, drafted: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from orchestrator.kpolicy import Ewma
+from orchestrator.kpolicy import Ewma, per_token_acceptance
 from orchestrator.record import RoundRecord
 
 ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -52,8 +52,7 @@ class OrchestratorMetrics:
         self.round_seconds.labels(part="overhead").observe(overhead / 1000)
         self.round_seconds.labels(part="total").observe(record.round_ms / 1000)
         if record.drafted:
-            trials = record.accepted + (1 if record.accepted < record.drafted else 0)
-            self._acceptance.update(record.accepted / trials)
+            self._acceptance.update(per_token_acceptance(record.drafted, record.accepted))
             self.acceptance.set(self._acceptance.value)
         if record.fallback:
             self.fallbacks.inc()
