@@ -56,7 +56,7 @@ class DraftEngine:
 
             def feed(token: int):
                 stats.fed_tokens += 1
-                return self.core.feed(session, [token])[-1]
+                return self.core.feed(session, [token], logits_rows=1)[-1]
 
             draft = propose_tokens(logits[-1], feed, k, params.sampling, position, self.max_q_entries,
                                    params.min_draft_prob, SeededRandomness(params.sampling.seed))

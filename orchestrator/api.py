@@ -43,6 +43,9 @@ class GenerationStats:
     fallback_rounds: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    predraft_hits: int = 0
+    predraft_misses: int = 0
+    predraft_saved_ms: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -74,6 +77,10 @@ class GenerationStats:
         self.bytes_to_target += record.bytes_to_target
         self.bytes_from_target += record.bytes_from_target
         self.new_tokens += len(record.emitted)
+        if record.predraft_hit is not None:
+            self.predraft_hits += int(record.predraft_hit)
+            self.predraft_misses += int(not record.predraft_hit)
+            self.predraft_saved_ms += record.predraft_saved_ms
         if record.index == 1:
             # What the target really reused of this turn's prompt (0 after a re-prefill).
             self.cached_prompt_tokens = record.target_cached

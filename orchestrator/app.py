@@ -9,7 +9,7 @@ from typing import Any
 
 from orchestrator import servicer as orch_servicer
 from orchestrator.admission import Admission
-from orchestrator.clients import GrpcDraftBackend, GrpcTargetBackend, open_channel
+from orchestrator.clients import EmulatedLatency, GrpcDraftBackend, GrpcTargetBackend, open_channel
 from orchestrator.config import SpeculationConfig
 from orchestrator.api import EngineLimits
 from orchestrator.engine import GenerationEngine
@@ -51,6 +51,7 @@ class OrchestratorConfig:
     worker_server_name: str | None = None
     metrics_port: int | None = None
     discovery_refresh_s: float = 5.0
+    emulated_one_way_ms: float = 0.0  # benchmarks: network latency emulated on loopback
 
 
 async def wait_for_worker(backend: Any, timeout_s: float):
@@ -70,8 +71,10 @@ async def build_engine(cfg: OrchestratorConfig, metrics: OrchestratorMetrics | N
     creds = (security.channel_credentials(cfg.worker_ca, cfg.worker_client_cert, cfg.worker_client_key)
              if cfg.worker_ca else None)
 
+    interceptors = [EmulatedLatency(cfg.emulated_one_way_ms)] if cfg.emulated_one_way_ms > 0 else []
+
     def channel(address: str) -> Any:
-        return open_channel(address, creds, cfg.worker_server_name)
+        return open_channel(address, creds, cfg.worker_server_name, interceptors)
 
     draft_pool = ReplicaPool("draft", cfg.draft_address, lambda a: GrpcDraftBackend(a, channel(a)),
                              cfg.discovery_refresh_s)
@@ -158,13 +161,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-delay-s", type=float, default=0.0,
                         help="on SIGTERM, report NOT_SERVING this long before refusing new requests")
     parser.add_argument("--trace-file", help="append one JSON line per round here (for `specdec tune`)")
+    parser.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
+                        help="pipelined rounds (default: the config's, off)")
+    parser.add_argument("--emulate-one-way-latency-ms", type=float, default=0.0,
+                        help="benchmarks only: delay each direction of every worker call by this much")
     parser.add_argument("--log-level", default="INFO")
 
 
 def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
     spec = SpeculationConfig.from_toml(args.config) if args.config else SpeculationConfig()
     flags = {"policy": args.policy, "min_k": args.min_k, "max_k": args.max_k, "fixed_k": args.fixed_k,
-             "min_draft_prob": args.min_draft_prob}
+             "min_draft_prob": args.min_draft_prob, "pipeline": args.pipeline}
     spec = spec.with_values({k: v for k, v in flags.items() if v is not None}, "flags")  # flags beat the file
     limits = EngineLimits(max_new_tokens=args.max_new_tokens_limit, max_sessions=args.max_sessions,
                           session_ttl_s=args.session_ttl_s)
@@ -174,7 +181,8 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
                               auth_tokens=tuple(security.load_tokens(args.auth_token_file)) if args.auth_token_file else (),
                               worker_ca=args.worker_ca, worker_client_cert=args.worker_client_cert,
                               worker_client_key=args.worker_client_key, worker_server_name=args.worker_server_name,
-                              metrics_port=args.metrics_port, discovery_refresh_s=args.discovery_refresh_s)
+                              metrics_port=args.metrics_port, discovery_refresh_s=args.discovery_refresh_s,
+                              emulated_one_way_ms=args.emulate_one_way_latency_ms)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -5,6 +5,7 @@ orchestrator: they travel from the draft's reply into the target's request untou
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,6 +26,14 @@ class DraftReply:
     bytes_sent: int = 0
     bytes_received: int = 0
     wall_ms: float = 0.0
+
+    def after_first(self) -> "DraftReply":
+        """The drafts after the first: what a pre-draft offers once the target has confirmed its first
+        token (the draft's guess of the bonus token)."""
+        q = self.q_payload
+        return dataclasses.replace(self, tokens=self.tokens[1:], token_probs=self.token_probs[1:],
+                                   confidences=self.confidences[1:],
+                                   q_payload=list(q)[1:] if q is not None and len(q) else q)
 
 
 @dataclass

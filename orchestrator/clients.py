@@ -1,7 +1,9 @@
 """gRPC implementations of the worker backends; map grpc status codes to domain errors."""
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -31,16 +33,32 @@ def _domain_error(role: str, address: str, err: grpc.aio.AioRpcError) -> Specdec
     return cls(f"{role} worker at {address}: {err.code().name}: {err.details()}")
 
 
+class EmulatedLatency(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds a one-way delay to each direction of every unary call: a network of RTT = 2 x one_way_ms
+    on loopback, for benchmarks (the traffic itself stays on 127.0.0.1)."""
+
+    def __init__(self, one_way_ms: float) -> None:
+        self.one_way_s = one_way_ms / 1000.0
+
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        await asyncio.sleep(self.one_way_s)
+        call = await continuation(client_call_details, request)
+        response = await call  # raises AioRpcError as the call would
+        await asyncio.sleep(self.one_way_s)
+        return response
+
+
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None,
-                 server_name: str | None = None) -> grpc.aio.Channel:
+                 server_name: str | None = None,
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
     """server_name overrides the name checked against the worker's certificate (pods are dialled by
     IP from DNS discovery, while their certificate names the service)."""
     if credentials is not None:
         options = list(CHANNEL_OPTIONS)
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
-        return grpc.aio.secure_channel(address, credentials, options=options)
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(address, credentials, options=options, interceptors=list(interceptors))
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=list(interceptors))
 
 
 class _WorkerClient:

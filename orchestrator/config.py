@@ -34,6 +34,7 @@ class SpeculationOverride:
     max_k: int | None = None
     fixed_k: int | None = None
     min_draft_prob: float | None = None
+    pipeline: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,11 @@ class SpeculationConfig:
         "Early stop: the draft stops before a position where its most likely token has a probability "
         "below this (0 = off). Lossless: decided before a token is drawn. Per request: "
         "`speculation.min_draft_prob`."))
+    pipeline: bool = field(default=False, metadata=_doc(
+        "Pipelined rounds: while the target verifies round n, the draft drafts round n+1 assuming round "
+        "n is fully accepted; a hit skips the wait for the draft. Same output token for token. Pays "
+        "where draft and target run on different devices or nodes; off by default because on one "
+        "shared CPU the two forwards compete for the same cores. Per request: `speculation.pipeline`."))
     heuristic_initial_k: int = field(default=4, metadata=_doc("First k of the `heuristic` policy."))
     probe_every: int = field(default=16, metadata=_doc(
         "`cost` policy: after this many target-only rounds, draft one token to re-measure acceptance "
@@ -74,6 +80,8 @@ class SpeculationConfig:
             raise SpeculationConfigError(f"min_draft_prob must be in [0, 1], got {self.min_draft_prob}")
         if not 1 <= self.heuristic_initial_k <= MAX_K:
             raise SpeculationConfigError(f"heuristic_initial_k must be in [1, {MAX_K}], got {self.heuristic_initial_k}")
+        if not isinstance(self.pipeline, bool):
+            raise SpeculationConfigError(f"pipeline must be true or false, got {self.pipeline!r}")
         if self.probe_every < 0:
             raise SpeculationConfigError(f"probe_every must be >= 0, got {self.probe_every}")
         if not self.bandit_exploration >= 0.0 or not self.bandit_prior_weight > 0.0:
@@ -91,6 +99,8 @@ class SpeculationConfig:
             merged = replace(self, **changes)
         if override.min_draft_prob is not None:
             merged = replace(merged, min_draft_prob=override.min_draft_prob)
+        if override.pipeline is not None:
+            merged = replace(merged, pipeline=override.pipeline)
         return merged.validate()
 
     def with_values(self, values: dict[str, Any], source: str) -> "SpeculationConfig":
@@ -118,14 +128,20 @@ class SpeculationConfig:
         if self.policy == "heuristic":
             return HeuristicPolicy(initial_k=self.heuristic_initial_k)
         if self.policy == "cost":
-            return CostModelPolicy(probe_every=self.probe_every)
-        return BanditPolicy(exploration=self.bandit_exploration, prior_weight=self.bandit_prior_weight)
+            return CostModelPolicy(probe_every=self.probe_every, pipelined=self.pipeline)
+        return BanditPolicy(exploration=self.bandit_exploration, prior_weight=self.bandit_prior_weight,
+                            pipelined=self.pipeline)
 
     def to_toml(self) -> str:
         lines = ["[speculation]"]
         for f in fields(self):
             value = getattr(self, f.name)
-            lines.append(f"{f.name} = {value!r}" if not isinstance(value, str) else f'{f.name} = "{value}"')
+            if isinstance(value, bool):
+                lines.append(f"{f.name} = {'true' if value else 'false'}")
+            elif isinstance(value, str):
+                lines.append(f'{f.name} = "{value}"')
+            else:
+                lines.append(f"{f.name} = {value!r}")
         return "\n".join(lines) + "\n"
 
 

@@ -227,22 +227,25 @@ class GenerationEngine:
         stop = StopConditions.for_turn(self.target_info.eos_token_ids, params.max_new_tokens, context - prompt_len,
                                        params.stop, self.tokenizer.decode)
         round_ = Round(self.workers, session, SamplingConfig(params.temperature, params.top_k, params.top_p, seed),
-                       deadline, stop, spec.min_draft_prob, policy.name)
+                       deadline, stop, spec.min_draft_prob, policy.name, pipeline=spec.pipeline)
         stats = GenerationStats(seed=seed, prompt_tokens=prompt_len)
         prior = self.prior_for(session.session_id)
         observers: list[Any] = [stats, session.stats, _PriorObserver(prior), *self.observers]
         label = "" if session.ephemeral else session.session_id
-        while True:
-            # A round yields up to k+1 tokens: never draft past the budget, nor past the draft's context.
-            k = min(policy.next_k(session.stats, spec.min_k, spec.max_k), stop.remaining - 1,
-                    self.draft_max_context - len(session.tokens))
-            record = await round_.run(max(0, k))
-            for observer in observers:
-                observer.observe(record)
-            if record.finish is not None:
-                break
-            if record.text_delta or record.emitted:
-                yield GenerationEvent(record.text_delta, list(record.emitted), session_id=label)
+        try:
+            while True:
+                # A round yields up to k+1 tokens: never draft past the budget, nor past the draft's context.
+                k = min(policy.next_k(session.stats, spec.min_k, spec.max_k), stop.remaining - 1,
+                        self.draft_max_context - len(session.tokens))
+                record = await round_.run(max(0, k))
+                for observer in observers:
+                    observer.observe(record)
+                if record.finish is not None:
+                    break
+                if record.text_delta or record.emitted:
+                    yield GenerationEvent(record.text_delta, list(record.emitted), session_id=label)
+        finally:
+            await round_.settle()  # no pre-draft outlives its turn
         stats.total_ms = (time.perf_counter() - started) * 1000.0
         prior.timing = copy.deepcopy(session.stats.timing)  # the pair's latest timings seed new sessions
         if session.messages and params.messages is not None:

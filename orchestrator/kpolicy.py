@@ -120,6 +120,9 @@ class SessionStats:
     """What a policy sees. Updated by the orchestrator after each round."""
     acceptance: Ewma = field(default_factory=lambda: Ewma(0.3, 0.7))
     timing: TimingModel = field(default_factory=TimingModel)
+    # Pipelining: how often the draft's guess of the bonus token is the target's, after a fully
+    # accepted round (the second condition of a pre-draft hit; the first is accepting all k).
+    bonus_match: Ewma = field(default_factory=lambda: Ewma(0.2, 0.5))
     last_k: int = 0
     last_accepted: int = 0
     rounds: int = 0
@@ -136,6 +139,10 @@ class SessionStats:
             if record.target_prefilled <= 1:
                 self.timing.observe_verify(record.drafted, record.verify_ms)
             self.timing.observe_rtt(record.verify_wall_ms - record.verify_ms)
+        hit = getattr(record, "predraft_hit", None)
+        if hit is not None and self.last_k > 0 and self.last_accepted == self.last_k:
+            # The previous round accepted everything, so hit or miss was the bonus guess's doing.
+            self.bonus_match.update(1.0 if hit else 0.0)
         self.observe_round(record.drafted, record.accepted, record.round_ms if record.steady else None)
 
     def observe_round(self, k: int, accepted: int, round_ms: float | None = None) -> None:
@@ -212,8 +219,14 @@ class CostModelPolicy:
     Picks k = 0 (target-only) when no k > 0 beats plain decoding, e.g. when the draft is slow or
     acceptance is low. While at k = 0 nothing new is learned about acceptance, so every
     `probe_every` rounds it drafts one token to refresh the estimate.
+
+    Pipelined rounds (`pipelined`): with probability h = a^k * b (all k accepted, and the draft's
+    guess of the bonus right, measured as b) the next round's drafts are ready when its verify may
+    start, having run during this verify; the round then costs t_verify + rtt + whatever of the
+    pre-draft's (k+1) draft tokens outlasted the verify. Otherwise it costs what a serial round does.
     """
     probe_every: int = 16
+    pipelined: bool = False
     name: str = "cost"
 
     def next_k(self, stats: SessionStats, min_k: int, max_k: int) -> int:
@@ -225,17 +238,22 @@ class CostModelPolicy:
     def _argmax(self, stats: SessionStats, min_k: int, max_k: int) -> int:
         best_k, best_rate = min_k, -1.0
         for k in range(min_k, max_k + 1):
-            rate = self.tokens_per_ms(stats, k)
+            rate = self.tokens_per_ms(stats, k, self.pipelined)
             if rate > best_rate + 1e-12:
                 best_k, best_rate = k, rate
         return best_k
 
     @staticmethod
-    def tokens_per_ms(stats: SessionStats, k: int) -> float:
+    def tokens_per_ms(stats: SessionStats, k: int, pipelined: bool = False) -> float:
         t = stats.timing
-        cost = k * t.draft_ms_per_token.value + t.verify_ms(k) + t.rtt_ms.value
-        if k > 0:
-            cost += t.rtt_ms.value  # a speculative round makes two calls, target-only one
+        draft_ms, verify_ms, rtt = k * t.draft_ms_per_token.value, t.verify_ms(k), t.rtt_ms.value
+        # A speculative round makes two calls, target-only one.
+        serial = draft_ms + verify_ms + rtt + (rtt if k > 0 else 0.0)
+        cost = serial
+        if pipelined and k > 0:
+            hit = stats.acceptance.value ** k * stats.bonus_match.value
+            overhang = max(0.0, draft_ms + t.draft_ms_per_token.value - verify_ms)
+            cost = hit * (verify_ms + rtt + overhang) + (1.0 - hit) * serial
         return expected_tokens(stats.acceptance.value, k) / max(cost, 1e-6)
 
 
@@ -251,11 +269,12 @@ class BanditPolicy:
     """
     exploration: float = 0.3
     prior_weight: float = 2.0
+    pipelined: bool = False
     name: str = "bandit"
 
     def next_k(self, stats: SessionStats, min_k: int, max_k: int) -> int:
         arms = range(min_k, max_k + 1)
-        prior = {k: CostModelPolicy.tokens_per_ms(stats, k) for k in arms}
+        prior = {k: CostModelPolicy.tokens_per_ms(stats, k, self.pipelined) for k in arms}
         scale = max(prior.values()) or 1e-9
         total = sum(stats.arms.get(k, [0, 0])[0] for k in arms) + self.prior_weight * len(arms)
         best_k, best_score = min_k, -math.inf

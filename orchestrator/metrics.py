@@ -38,6 +38,10 @@ class OrchestratorMetrics:
                                  registry=r)
         self.reprefills = Counter("specdec_reprefills", "Worker caches rebuilt from canonical tokens", registry=r)
         self.sessions = Gauge("specdec_sessions", "Sessions held by the orchestrator", registry=r)
+        self.predrafts = Counter("specdec_predrafts", "Pipelined pre-drafts by outcome (hit: used as the "
+                                 "next round's drafts; miss: discarded)", ["outcome"], registry=r)
+        self.predraft_saved = Counter("specdec_predraft_saved_seconds", "Draft time that pipelined rounds "
+                                      "did not wait for", registry=r)
 
     def observe(self, record: RoundRecord) -> None:
         self.rounds.inc()
@@ -48,7 +52,9 @@ class OrchestratorMetrics:
             self.accepted_position.labels(position=str(i)).inc()
         self.round_seconds.labels(part="draft").observe(record.draft_ms / 1000)
         self.round_seconds.labels(part="verify").observe(record.verify_ms / 1000)
-        overhead = max(0.0, record.round_ms - record.draft_ms - record.verify_ms)
+        # A pipelined hit's draft ran during the previous verify: it is not part of this round's time.
+        waited_draft = 0.0 if record.predraft_hit else record.draft_ms
+        overhead = max(0.0, record.round_ms - waited_draft - record.verify_ms)
         self.round_seconds.labels(part="overhead").observe(overhead / 1000)
         self.round_seconds.labels(part="total").observe(record.round_ms / 1000)
         if record.drafted:
@@ -56,6 +62,9 @@ class OrchestratorMetrics:
             self.acceptance.set(self._acceptance.value)
         if record.fallback:
             self.fallbacks.inc()
+        if record.predraft_hit is not None:
+            self.predrafts.labels(outcome="hit" if record.predraft_hit else "miss").inc()
+            self.predraft_saved.inc(record.predraft_saved_ms / 1000)
         if record.reprefills:
             self.reprefills.inc(record.reprefills)
 

@@ -37,6 +37,10 @@ class RoundRecord:
     bytes_from_draft: int = 0
     bytes_to_target: int = 0
     bytes_from_target: int = 0
+    # Pipelining: None when no pre-draft was pending for this round; True when this round's drafts
+    # came from the pre-draft made during the previous verify (its draft time was hidden).
+    predraft_hit: bool | None = None
+    predraft_saved_ms: float = 0.0  # draft wall time this round did not wait for (hits only)
 
     @property
     def drafted(self) -> int:

@@ -3,6 +3,18 @@
 A `Round` runs the two worker calls, with their recovery (re-prefill from the canonical tokens, draft
 fallback, target retry), cuts the output with the turn's stop conditions and returns one immutable
 `RoundRecord`. Everything else (stats, metrics, traces, the k policy, stream events) observes records.
+
+Pipelining (opt-in): while the target verifies round n, the draft already drafts round n+1 on the
+assumption that round n is fully accepted. It drafts k+1 tokens after round n's drafts; the first is
+its guess of the target's bonus token. If the target accepts everything and its bonus equals that
+guess (a hit), round n+1 verifies the remaining k drafts at once, without waiting for the draft. The
+pre-draft conditions on exactly the prefix round n+1 has, and the draft's randomness is keyed by
+(seed, position), so a hit proposes the very tokens and q a serial round would: the output is the
+same token for token, for greedy and for sampling. On a miss the pre-draft is discarded and the next
+commit crops the draft's cache back to the canonical prefix.
+
+Over 300 lines: the serial calls, their recovery paths and the pre-draft share one round's state
+(the session's views, the deadline, the draft's health); apart, one protocol would span three files.
 """
 from __future__ import annotations
 
@@ -76,6 +88,15 @@ class Workers:
 
 
 @dataclass
+class _PreDraft:
+    """A draft call made during a verify, on the assumption that the verify accepts everything."""
+    assumed: list[int]              # canonical + the drafts under verification
+    calls: "_Calls"
+    task: "asyncio.Task[DraftReply | None]"
+    started: float
+
+
+@dataclass
 class _Calls:
     """What the worker calls of one round add up to."""
     reprefills: int = 0
@@ -90,8 +111,11 @@ class Round:
     """The rounds of one turn share its session, sampling, deadline and stop conditions."""
 
     def __init__(self, workers: Workers, session: OrchestratorSession, sampling: SamplingConfig,
-                 deadline: Deadline, stop: StopConditions, min_draft_prob: float, policy_name: str) -> None:
+                 deadline: Deadline, stop: StopConditions, min_draft_prob: float, policy_name: str,
+                 pipeline: bool = False) -> None:
         self.workers = workers
+        self.pipeline = pipeline
+        self._ahead: _PreDraft | None = None
         self.session = session
         self.sampling = sampling
         self.deadline = deadline
@@ -108,8 +132,15 @@ class Round:
         position = len(canonical)
         calls = _Calls()
         use_draft = k > 0 and self.workers.draft_health_for(self.session.session_id).usable()
-        reply = await self._propose(k, calls) if use_draft else None
+        reply, hit, saved_ms = await self._take_predraft(k, calls)
+        if reply is None and use_draft:
+            reply = await self._propose(k, calls)
         drafts = reply.tokens if reply else []
+        # A pre-draft pays only if a round can follow this one: at least 2 tokens left after a
+        # fully accepted round (its drafts and the bonus).
+        if (self.pipeline and drafts and self.stop.remaining - (len(drafts) + 1) >= 2
+                and self.workers.draft_health_for(self.session.session_id).usable()):
+            self._start_predraft(canonical + drafts, len(drafts) + 1)
         verify = await self._verify(drafts, reply.q_payload if reply else None, calls)
         out = self.stop.apply((drafts[:verify.accepted_len] + [verify.next_token])[:self.stop.remaining])
         canonical.extend(out.tokens)
@@ -125,15 +156,68 @@ class Round:
             draft_prefilled=reply.prefilled_tokens if reply else 0, target_prefilled=verify.prefilled_tokens,
             target_cached=calls.target_cached, reprefills=calls.reprefills,
             bytes_to_draft=calls.bytes_to_draft, bytes_from_draft=calls.bytes_from_draft,
-            bytes_to_target=calls.bytes_to_target, bytes_from_target=calls.bytes_from_target)
+            bytes_to_target=calls.bytes_to_target, bytes_from_target=calls.bytes_from_target,
+            predraft_hit=hit, predraft_saved_ms=saved_ms)
 
-    async def _propose(self, k: int, calls: _Calls) -> DraftReply | None:
+    # ------------------------------------------------------------------ pipelining
+    def _start_predraft(self, assumed: list[int], k: int) -> None:
+        calls = _Calls()
+        task = asyncio.create_task(self._propose(k, calls, canonical=assumed))
+        self._ahead = _PreDraft(assumed, calls, task, time.perf_counter())
+
+    async def _take_predraft(self, k: int, calls: _Calls) -> tuple[DraftReply | None, bool | None, float]:
+        """Settle the pending pre-draft: (this round's drafts if it hit, hit or miss or None, ms saved).
+
+        Always awaited, hit or miss: the draft's cache must be in a known state before the next call
+        (a miss is then cropped by the next commit). The wait overlaps the verify that just ended.
+        """
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None, None, 0.0
+        waited_from = time.perf_counter()
+        try:
+            pre = await ahead.task
+        except (SessionNotFound, CacheMismatch) as exc:
+            # The pre-draft lost the session twice: optional work, so this round drafts serially.
+            log.info("pre-draft failed (%s); drafting this round serially", exc)
+            self.session.draft_view.reset()
+            pre = None
+        waited_ms = (time.perf_counter() - waited_from) * 1000.0
+        for name in ("reprefills", "bytes_to_draft", "bytes_from_draft"):
+            setattr(calls, name, getattr(calls, name) + getattr(ahead.calls, name))
+        canonical = self.session.tokens
+        if (k > 0 and pre is not None and len(pre.tokens) >= 2
+                and canonical == ahead.assumed + [pre.tokens[0]]):
+            usable = pre.after_first()
+            usable.tokens, usable.token_probs = usable.tokens[:k], usable.token_probs[:k]
+            if usable.q_payload is not None and len(usable.q_payload):
+                usable.q_payload = usable.q_payload[:k]
+            return usable, True, max(0.0, pre.wall_ms - waited_ms)
+        return None, False, 0.0
+
+    async def settle(self) -> None:
+        """End of a turn (finished, failed or cancelled): drop a pending pre-draft, so that no draft
+        call outlives its turn and the reply is not held back by it. A cancelled call leaves the view
+        at the prefix the draft surely holds (see _propose); the next commit re-sends the rest."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        ahead.task.cancel()
+        try:
+            await ahead.task
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # a pre-draft is optional: its failure never fails the turn
+            log.info("pre-draft failed at the end of a turn: %s", exc)
+
+    async def _propose(self, k: int, calls: _Calls, canonical: list[int] | None = None) -> DraftReply | None:
         """Ask the draft for k tokens; None if the draft cannot serve this round (it runs target-only).
 
         Speculation is optional, so a draft failure never fails the request: it costs this round its
         drafts. Only an outage (UNAVAILABLE, a draft timeout) puts the draft replica into backoff.
         """
-        w, session, canonical = self.workers, self.session, self.session.tokens
+        w, session = self.workers, self.session
+        canonical = self.session.tokens if canonical is None else canonical
         view = session.draft_view
         for attempt in range(2):
             commit = view.commit_for(canonical)
@@ -142,6 +226,11 @@ class Round:
             try:
                 reply = await w.draft.propose(session.session_id, commit, k, self.sampling, self.min_draft_prob,
                                               timeout)
+            except asyncio.CancelledError:
+                # Cancelled mid-call (a cancelled turn, a dropped pre-draft): the worker applied the
+                # commit or never ran it; either way it holds the kept prefix.
+                view.keep(commit.cache_len)
+                raise
             except (SessionNotFound, CacheMismatch) as exc:
                 if attempt:
                     raise

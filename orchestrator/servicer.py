@@ -37,7 +37,8 @@ def params_from_pb(req: orchestrator_pb2.GenerateRequest) -> GenerateParams:
         min_k=spec.min_k if spec.HasField("min_k") else None,
         max_k=spec.max_k if spec.HasField("max_k") else None,
         fixed_k=spec.fixed_k if spec.HasField("fixed_k") else None,
-        min_draft_prob=spec.min_draft_prob if spec.HasField("min_draft_prob") else None)
+        min_draft_prob=spec.min_draft_prob if spec.HasField("min_draft_prob") else None,
+        pipeline=spec.pipeline if spec.HasField("pipeline") else None)
     if which is None:
         raise InvalidRequest("exactly one of prompt, prompt_ids or messages is required")
     return GenerateParams(
@@ -62,7 +63,8 @@ def stats_to_pb(s: GenerationStats) -> orchestrator_pb2.GenerationStats:
         reprefills=s.reprefills, bytes_to_draft=s.bytes_to_draft, bytes_to_target=s.bytes_to_target,
         seed=s.seed, fallback_rounds=s.fallback_rounds, prompt_tokens=s.prompt_tokens,
         cached_prompt_tokens=s.cached_prompt_tokens, bytes_from_draft=s.bytes_from_draft,
-        bytes_from_target=s.bytes_from_target)
+        bytes_from_target=s.bytes_from_target, predraft_hits=s.predraft_hits,
+        predraft_misses=s.predraft_misses, predraft_saved_ms=s.predraft_saved_ms)
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):

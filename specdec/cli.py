@@ -14,6 +14,8 @@ COMMANDS = {
     "bench": "benchmark the service against target-only and HF assisted generation (one run)",
     "loadtest": "bounded load test against an orchestrator (checks every greedy output)",
     "tune": "replay round traces through every k policy and write the best config",
+    "netbench": "pipelined vs serial rounds vs target-only, workers on disjoint cores, emulated RPC latency",
+    "flips": "how often verifying k+1 positions at once flips a greedy token, per dtype (exactness check)",
     "fetch-models": "download and convert the embedded model pair (part of setup)",
 }
 
@@ -65,6 +67,10 @@ def main(argv: list[str] | None = None) -> None:
         from specdec.tools.loadtest import main as run
     elif command == "tune":
         from specdec.tools.tune import main as run
+    elif command == "netbench":
+        from specdec.tools.netbench import main as run
+    elif command == "flips":
+        from specdec.tools.flips import main as run
     elif command == "fetch-models":
         from specdec.embedded import main as run
     else:

@@ -71,9 +71,9 @@ def _eos_ids(model: torch.nn.Module, tok: Any) -> list[int]:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def bf16_is_fast() -> bool:
-    """True where the CPU has native bf16 matmuls (AVX512-BF16 / AMX) or a CUDA device is used."""
-    if torch.cuda.is_available():
+def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
+    """True on CUDA, and on CPUs with native bf16 matmuls (AVX512-BF16 / AMX)."""
+    if torch.device(device).type == "cuda":
         return True
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -81,21 +81,44 @@ def bf16_is_fast() -> bool:
         return False
 
 
-def resolve_dtype(name: str, role: str) -> torch.dtype:
-    """`auto`: the target stays float32 (its numerics define the output; batched bf16 forwards can
-    flip near-tie argmaxes versus one-token decoding), the draft uses bf16 where it is fast (the
-    draft's numerics only change acceptance, never the output)."""
+def resolve_dtype(name: str, role: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """The weights' dtype for a role on a device.
+
+    `auto` on CUDA: bf16 for both roles, as vLLM, TGI and SGLang serve (float32 halves the
+    memory-bound speed and doubles the memory). Greedy identity is then defined against HF
+    `generate` in bf16 on the same device; `float32` stays selectable as the exact mode.
+    `auto` on CPU: the target stays float32 (its numerics define the output, and on CPUs without
+    bf16 units float32 is also the fast path), the draft uses bf16 where the CPU has native bf16
+    (the draft's numerics change acceptance only, never the output).
+    """
     if name == "auto":
-        return torch.bfloat16 if role == "draft" and bf16_is_fast() else torch.float32
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if role == "draft" and bf16_is_fast(device) else torch.float32
+    if name in ("exact", "fp32"):
+        return torch.float32
+    if name in ("bf16",):
+        return torch.bfloat16
     if name not in DTYPES:
-        raise ModelRefError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+        raise ModelRefError(f"unknown dtype {name!r}; choose auto, exact, {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
 def resolve_device(name: str = "auto") -> torch.device:
+    """`auto`: the first CUDA device if there is one, else the CPU. A CUDA device that is not there
+    is a configuration error, reported before any weights are loaded."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ModelRefError(f"unknown device {name!r}; choose auto, cpu, cuda or cuda:N") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelRefError(f"device {name!r} asked for, but torch sees no CUDA device "
+                            f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
+    if device.type not in ("cpu", "cuda"):
+        raise ModelRefError(f"device type {device.type!r} is not supported; choose cpu or cuda")
+    return device
 
 
 def load_model(ref: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:

@@ -10,6 +10,10 @@ so they run this very code, not a copy of it.
 Probabilities that drive decisions are normalised in float64 (q as it travels in float32, p as warped
 in float32), so the draft's sampling, the acceptance test and the residual all use one distribution
 each: the rule is exact to float64 rounding, not merely to float32.
+
+Device-true: every function here runs on the device its logits are on (CPU or CUDA). What crosses to
+the host is small and bounded: a sparse q (at most max_entries per position), k + 1 argmax ids, k
+acceptance probabilities and a sampled index, never a [rows, vocab] tensor.
 """
 from __future__ import annotations
 
@@ -47,10 +51,10 @@ class SparseDist:
         return cls(token_ids=torch.tensor(list(msg.token_ids), dtype=torch.int64),
                    probs=torch.tensor(list(msg.probs), dtype=torch.float32))
 
-    def to_dense(self, vocab_size: int) -> torch.Tensor:
+    def to_dense(self, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """float64 over the vocabulary, renormalised: the exact distribution the draft sampled from."""
-        dense = torch.zeros(vocab_size, dtype=torch.float64)
-        dense[self.token_ids] = self.probs.to(torch.float64)
+        dense = torch.zeros(vocab_size, dtype=torch.float64, device=device)
+        dense[self.token_ids.to(device)] = self.probs.to(device=device, dtype=torch.float64)
         return dense / dense.sum()
 
 
@@ -62,16 +66,23 @@ def uniform(seed: int, position: int, stream: int) -> float:
 
 
 def sample_index(probs: torch.Tensor, u: float) -> int:
-    """Inverse-CDF sample from a 1-D non-negative vector (normalised here) with a given uniform."""
+    """Inverse-CDF sample from a 1-D non-negative vector (normalised here) with a given uniform.
+
+    Runs on probs' device; one transfer of three scalars (total, index, its probability) to the host.
+    """
     cdf = torch.cumsum(probs.to(torch.float64), dim=0)
-    total = float(cdf[-1])
-    if not total > 0.0:
+    total = cdf[-1]
+    index = torch.searchsorted(cdf, (total * u).reshape(1), right=True)[0].clamp(max=probs.shape[0] - 1)
+    total_h, index_h, prob_h = torch.stack([total, index.to(torch.float64),
+                                            probs[index].to(torch.float64)]).tolist()
+    if not total_h > 0.0:
         raise ValueError("cannot sample from an all-zero distribution")
-    idx = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=torch.float64), right=True)[0])
-    idx = min(idx, probs.shape[0] - 1)
-    # Never return a zero-probability index (possible only through float edge cases).
-    while probs[idx] <= 0 and idx > 0:
-        idx -= 1
+    idx = int(index_h)
+    if prob_h <= 0:
+        # Never return a zero-probability index (possible only through float edge cases): step back
+        # to the nearest positive entry below, as the inverse CDF would with exact arithmetic.
+        below = (probs[:idx] > 0).nonzero()
+        idx = int(below[-1, 0]) if below.numel() else 0
     return idx
 
 
@@ -139,7 +150,8 @@ def sparsify(probs: torch.Tensor, max_entries: int) -> SparseDist:
     values, ids = torch.topk(probs, n)
     values = values.to(torch.float32)
     values = values / values.sum()
-    return SparseDist(token_ids=ids.to(torch.int64), probs=values)
+    # The only transfer of a drafted position: n <= max_entries ids and probabilities.
+    return SparseDist(token_ids=ids.to(torch.int64).cpu(), probs=values.cpu())
 
 
 # ----------------------------------------------------------------------------- drafting
@@ -156,12 +168,16 @@ class Draft:
     steps: int = 0
 
 
-def draft_confidence(logits: torch.Tensor, cfg: SamplingConfig, max_entries: int) -> tuple[float, SparseDist | None]:
-    """(the draft's max probability at this position, q or None when greedy), before any token is drawn."""
+def draft_confidence(logits: torch.Tensor, cfg: SamplingConfig,
+                     max_entries: int) -> tuple[float, SparseDist | None, int]:
+    """(the draft's max probability at this position, q or None when greedy, the greedy token or -1),
+    before any token is drawn. Greedy: one transfer of two scalars."""
     if cfg.greedy:
-        return float(torch.softmax(logits.to(torch.float32), dim=-1).max()), None
+        top = torch.softmax(logits.to(torch.float32), dim=-1).max().to(torch.float64)
+        confidence, token = torch.stack([top, torch.argmax(logits).to(torch.float64)]).tolist()
+        return confidence, None, int(token)
     q = sparsify(warp(logits, cfg), max_entries)
-    return float(q.probs.max()), q
+    return float(q.probs.max()), q, -1
 
 
 def propose_tokens(first_logits: torch.Tensor, feed: Callable[[int], torch.Tensor], k: int,
@@ -182,12 +198,12 @@ def propose_tokens(first_logits: torch.Tensor, feed: Callable[[int], torch.Tenso
     draft = Draft()
     logits = first_logits
     for i in range(k):
-        confidence, q = draft_confidence(logits, cfg, max_entries)
+        confidence, q, greedy_token = draft_confidence(logits, cfg, max_entries)
         draft.confidences.append(confidence)
         if min_draft_prob > 0 and confidence < min_draft_prob:
             break
         if q is None:
-            token = int(torch.argmax(logits))
+            token = greedy_token
             prob = confidence
         else:
             index = rng.choose(q.probs, first_position + i, STREAM_DRAFT)
@@ -250,13 +266,21 @@ def verify_sampled(target_logits: torch.Tensor, draft_tokens: list[int], q: list
         raise ValueError(f"need one q per draft token, got {len(q)} for {len(draft_tokens)}")
     rng = rng or SeededRandomness(cfg.seed)
     p_all = target_distribution(target_logits, cfg)
-    vocab = p_all.shape[-1]
-    for i, token in enumerate(draft_tokens):
+    vocab, device = p_all.shape[-1], p_all.device
+    k = len(draft_tokens)
+    if k:
+        # min(1, p(x)/q(x)) for every drafted position at once, on the device; k floats cross.
+        q_dense = torch.stack([qi.to_dense(vocab, device) for qi in q])
+        rows = torch.arange(k, device=device)
+        tokens = torch.tensor(draft_tokens, dtype=torch.int64, device=device)
+        p_x, q_x = p_all[rows, tokens], q_dense[rows, tokens]
+        ratio = torch.clamp(p_x / torch.where(q_x > 0, q_x, torch.ones_like(q_x)), max=1.0)
+        accept_probs = torch.where(q_x > 0, ratio, torch.zeros_like(ratio)).tolist()
+    for i in range(k):
         position = first_position + i
-        p = p_all[i]
-        q_dense = q[i].to_dense(vocab)
-        if rng.accept(acceptance_probability(p, q_dense, token), position, STREAM_ACCEPT):
+        if rng.accept(accept_probs[i], position, STREAM_ACCEPT):
             continue
-        return VerifyOutcome(i, rng.choose(residual_distribution(p, q_dense), position, STREAM_TARGET_SAMPLE))
+        return VerifyOutcome(i, rng.choose(residual_distribution(p_all[i], q_dense[i]), position,
+                                           STREAM_TARGET_SAMPLE))
     position = first_position + len(draft_tokens)
     return VerifyOutcome(len(draft_tokens), rng.choose(p_all[len(draft_tokens)], position, STREAM_TARGET_SAMPLE))

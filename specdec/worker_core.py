@@ -113,11 +113,18 @@ class WorkerCore:
 
     # ------------------------------------------------------------------ compute
     @torch.inference_mode()
-    def feed(self, session: WorkerSession, tokens: Sequence[int]) -> torch.Tensor:
-        """Run tokens through the model on top of the session cache; returns logits [len(tokens), V]."""
+    def feed(self, session: WorkerSession, tokens: Sequence[int], logits_rows: int = 0) -> torch.Tensor:
+        """Run tokens through the model on top of the session cache.
+
+        Returns float32 logits of the last `logits_rows` fed positions (0: all), [rows, V], on the
+        model's device: warping, drawing and the verify rule run where the logits are, and only
+        ids and a few probabilities cross to the host. Asking for the rows that are used only also
+        skips the LM head (a [V, hidden] GEMM) for the rest of a prefill.
+        """
         input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         try:
-            out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True)
+            out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
+                             logits_to_keep=logits_rows)
         except BaseException:
             # Some layers may have appended to the cache before the failure: nothing in it can be
             # trusted. An empty session makes the next commit fail its check and re-prefill.
@@ -129,8 +136,7 @@ class WorkerCore:
         if not self._measured_bytes and session.tokens and session.nbytes():
             self._bytes_per_token = max(1, session.nbytes() // len(session.tokens))
             self._measured_bytes = True
-        # Sampling and verification run on the CPU in float32/64: [k+1, V] logits are small.
-        return out.logits[0].float().cpu()
+        return out.logits[0].float()
 
     def truncate(self, session: WorkerSession, length: int) -> None:
         if length < len(session.tokens):
@@ -144,8 +150,9 @@ class WorkerCore:
               stats: CallStats) -> tuple[WorkerSession, torch.Tensor]:
         """Apply a commit, then feed `extra_tokens` after it in the same forward pass.
 
-        Returns the session and the logits of every fed position. At least one committed token is
-        always fed, because the logits of the last committed token predict the next one.
+        Returns the session and the logits of the last len(extra_tokens) + 1 fed positions (those
+        that predict the first extra token onwards), on the model's device. At least one committed
+        token is always fed, because the logits of the last committed token predict the next one.
         """
         self.check_tokens(commit.append_tokens, "commit.append_tokens")
         self.check_tokens(extra_tokens, "tokens")
@@ -166,7 +173,7 @@ class WorkerCore:
             self.truncate(session, keep)
             stats.prefilled_tokens = len(commit.append_tokens)
             self.counters.prefilled_tokens += stats.prefilled_tokens
-            logits = self.feed(session, feed_tokens + list(extra_tokens))
+            logits = self.feed(session, feed_tokens + list(extra_tokens), logits_rows=len(extra_tokens) + 1)
         finally:
             self.store.unpin(session_id)
         stats.fed_tokens += len(feed_tokens) + len(extra_tokens)

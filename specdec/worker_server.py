@@ -65,8 +65,9 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--max-sessions", type=int, default=10_000)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: target float32, "
-                        "draft bfloat16 where the CPU/GPU has fast bf16)")
+    parser.add_argument("--dtype", default="auto", help="auto | exact (= float32) | float32 | bfloat16. auto: bf16 on CUDA for "
+                        "both roles; on CPU the target stays float32 and the draft uses bf16 where the "
+                        "CPU has native bf16")
     parser.add_argument("--calibration-s", type=float, default=20.0,
                         help="startup budget to choose the CPU GEMM path and measure the forward cost curve "
                              "(0 skips both; the k policy then starts from generic defaults)")
@@ -90,11 +91,12 @@ def store_limits(args: argparse.Namespace) -> StoreLimits:
 async def serve_worker(args: argparse.Namespace, role: str,
                        make_servicer: Callable[[WorkerCore], WorkerServicerBase],
                        register: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
-    from specdec.models import load_model, resolve_dtype, set_torch_threads
+    from specdec.models import load_model, resolve_device, resolve_dtype, set_torch_threads
     set_torch_threads(args.threads)
-    dtype = resolve_dtype(args.dtype, role)
-    log.info("loading %s model %s (%s)", role, args.model, dtype)
-    loaded = await asyncio.to_thread(load_model, args.model, dtype, args.device)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, role, device)
+    log.info("loading %s model %s (%s on %s)", role, args.model, dtype, device)
+    loaded = await asyncio.to_thread(load_model, args.model, dtype, str(device))
     core = WorkerCore(loaded, role, store_limits(args))
     from specdec.calibration import calibrate
     await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s)

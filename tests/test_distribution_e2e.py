@@ -81,12 +81,17 @@ MIN_TOP_P_MARGIN = 1e-4
 
 Joint = dict[tuple[int, ...], float]
 
-POLICIES: dict[str, dict[str, int]] = {"fixed3": {"fixed_k": 3}, "default": {}}
+POLICIES: dict[str, dict[str, int]] = {"fixed3": {"fixed_k": 3}, "default": {},
+                                        # k = 1 and 2 extra tokens: pre-drafts are used within the
+                                        # first 3 tokens (a hit needs 2 tokens left after a round).
+                                        "pipelined-k1": {"fixed_k": 1, "pipeline": True}}
+EXTRA_TOKENS = {"pipelined-k1": 2}   # generated past NEW_TOKENS; the first NEW_TOKENS are tested
 WARPINGS: dict[str, SamplingConfig] = {
     "nowarp": SamplingConfig(TEMPERATURE),
     "topk3-topp0.73": SamplingConfig(TEMPERATURE, top_k=3, top_p=0.73),
 }
-DEFAULT_SUITE = {("fixed3", "nowarp", MIN_DRAFT_PROB["nowarp"]), ("default", "topk3-topp0.73", 0.0)}
+DEFAULT_SUITE = {("fixed3", "nowarp", MIN_DRAFT_PROB["nowarp"]), ("default", "topk3-topp0.73", 0.0),
+                 ("pipelined-k1", "nowarp", 0.0)}
 VARIANTS = [
     pytest.param(policy, warping, min_draft_prob, id=f"{policy}-{warping}-mdp{min_draft_prob}",
                  marks=() if (policy, warping, min_draft_prob) in DEFAULT_SUITE else pytest.mark.slow)
@@ -241,10 +246,13 @@ class Sample:
     counts: Counter[tuple[int, ...]] = dataclasses.field(default_factory=Counter)
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    predraft_hits: int = 0
 
 
 async def sample_outputs(stack: stack_module.Stack, n: int, cfg: SamplingConfig,
-                         speculation: dict[str, float]) -> Sample:
+                         speculation: dict[str, float], extra_tokens: int = 0) -> Sample:
+    """n generations of NEW_TOKENS + extra_tokens; the first NEW_TOKENS of each are counted (the joint
+    of a prefix does not depend on how many tokens follow it)."""
     warping: dict[str, float] = {}
     if cfg.top_k:
         warping["top_k"] = cfg.top_k
@@ -253,13 +261,14 @@ async def sample_outputs(stack: stack_module.Stack, n: int, cfg: SamplingConfig,
     sample = Sample()
     for start in range(0, n, BATCH):
         replies = await asyncio.gather(*(
-            stack.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, temperature=cfg.temperature,
+            stack.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS + extra_tokens, temperature=cfg.temperature,
                            seed=seed, speculation=speculation, **warping)
             for seed in range(start, min(start + BATCH, n))))
         for reply in replies:
-            assert len(reply.token_ids) == NEW_TOKENS, list(reply.token_ids)
+            assert len(reply.token_ids) == NEW_TOKENS + extra_tokens, list(reply.token_ids)
             assert reply.finish_reason == orchestrator_pb2.FINISH_REASON_LENGTH
-            sample.counts[tuple(reply.token_ids)] += 1
+            sample.counts[tuple(reply.token_ids[:NEW_TOKENS])] += 1
+            sample.predraft_hits += reply.stats.predraft_hits
             sample.draft_tokens += reply.stats.draft_tokens
             sample.accepted_tokens += reply.stats.accepted_tokens
     return sample
@@ -306,11 +315,13 @@ async def test_first_tokens_follow_target_distribution(small_vocab_models: None,
     stack = await stack_module.start_stack(target_ref=TARGET_REF, draft_ref=DRAFT_REF, max_concurrent=BATCH,
                                            max_queue=2 * BATCH)
     try:
-        sample = await sample_outputs(stack, n, cfg, speculation)
+        sample = await sample_outputs(stack, n, cfg, speculation, EXTRA_TOKENS.get(policy, 0))
     finally:
         await stack.close()
 
     assert sample.draft_tokens > 0, "the speculative path never ran"
+    if speculation.get("pipeline"):
+        assert sample.predraft_hits > 0.05 * n, f"pipelined hits {sample.predraft_hits} in {n} requests"
     fit = pearson_fit(sample.counts, reference)
     control_fit = pearson_fit(sample.counts, control)
     acceptance = sample.accepted_tokens / sample.draft_tokens

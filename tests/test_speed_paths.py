@@ -137,9 +137,9 @@ async def test_a_slow_draft_drops_the_default_policy_to_target_only() -> None:
         core = stack.draft.core
         feed = core.feed
 
-        def slow_feed(session, tokens):
+        def slow_feed(session, tokens, logits_rows=0):
             time.sleep(0.04)
-            return feed(session, tokens)
+            return feed(session, tokens, logits_rows)
         core.feed = slow_feed
         reply = await stack.generate(prompt_ids=[5, 6, 7], max_new_tokens=60)
         assert list(reply.token_ids) == reference_greedy([5, 6, 7], 60)

@@ -106,12 +106,16 @@ class ForwardCounter:
 
 
 class HFRunner:
-    """In-process anchor: transformers' own generate (with assistant_model for assisted decoding)."""
+    """In-process anchor: transformers' own generate (with assistant_model for assisted decoding),
+    on the same device and in the same dtypes as the service's workers, so a ratio compares methods,
+    not devices."""
 
-    def __init__(self, target_ref: str, draft_ref: str, draft_dtype: torch.dtype) -> None:
+    def __init__(self, target_ref: str, draft_ref: str, target_dtype: torch.dtype, draft_dtype: torch.dtype,
+                 device: torch.device = torch.device("cpu")) -> None:
         from specdec.models import load_model
-        self.target = load_model(target_ref, torch.float32)
-        self.draft = load_model(draft_ref, draft_dtype)
+        self.device = device
+        self.target = load_model(target_ref, target_dtype, str(device))
+        self.draft = load_model(draft_ref, draft_dtype, str(device))
         self.target_calls = ForwardCounter(self.target.model)
         self.draft_calls = ForwardCounter(self.draft.model)
         self.base_assistant_config = self.draft.model.generation_config
@@ -130,10 +134,12 @@ class HFRunner:
             self.draft.model.generation_config = config
             kwargs["assistant_model"] = self.draft.model
         t0_target, t0_draft = self.target_calls.calls, self.draft_calls.calls
-        ids = torch.tensor([prompt_ids])
+        ids = torch.tensor([prompt_ids], device=self.device)
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.target.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - start
         new = out[0, len(prompt_ids):].tolist()
         target_calls = self.target_calls.calls - t0_target
@@ -370,6 +376,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", help="orchestrator [speculation] TOML (default for the embedded pair: "
                         "configs/embedded-pair-cpu.toml)")
     parser.add_argument("--out", default=str(ROOT / "bench-out"))
+    parser.add_argument("--device", default="auto", help="where the workers AND the HF anchors run: auto "
+                        "(cuda if available) | cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default="auto", help="weights' dtype for workers and anchors alike: "
+                        "auto (the workers' rule: bf16 on CUDA; on CPU float32 target, bf16 draft where "
+                        "the CPU has native bf16) | exact | float32 | bfloat16")
     parser.add_argument("--smoke", action="store_true", help="tiny random models, 3 prompts, 12 tokens (CI)")
     parser.add_argument("--all-systems", action="store_true", help="every system in both modes (default: a "
                         "subset in sampled mode)")
@@ -378,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     from tqdm import tqdm
 
     from specdec.tools.demo import DEFAULT_PAIR_CONFIG, local_services
-    from specdec.models import load_tokenizer, resolve_dtype
+    from specdec.models import load_tokenizer, resolve_device, resolve_dtype
     if args.smoke:
         args.target, args.draft = "tiny:seed=0", "tiny:seed=0,noise=0.02"
         args.max_new_tokens = 12
@@ -400,15 +411,18 @@ def main(argv: list[str] | None = None) -> None:
     modes = args.modes.split(",")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    draft_dtype = resolve_dtype("auto", "draft")
-    print(f"bench: target {args.target}, draft {args.draft} ({draft_dtype}), {len(chosen)} prompts, "
-          f"{args.max_new_tokens} new tokens, modes {modes}, config {config}")
-    hf = HFRunner(args.target, args.draft, draft_dtype)
+    device = resolve_device(args.device)
+    target_dtype = resolve_dtype(args.dtype, "target", device)
+    draft_dtype = resolve_dtype(args.dtype, "draft", device)
+    print(f"bench: on {device}, target {args.target} ({target_dtype}), draft {args.draft} ({draft_dtype}), "
+          f"{len(chosen)} prompts, {args.max_new_tokens} new tokens, modes {modes}, config {config}")
+    hf = HFRunner(args.target, args.draft, target_dtype, draft_dtype, device)
     plan = systems(args.all_systems)
     total = sum(len(chosen) for mode in modes for s in plan if mode in s.modes)
     orch_args = ["--log-level", "WARNING", "--max-k", "8"] + (["--config", config] if config else [])
     started = time.time()
-    with local_services(args.target, args.draft, 0, orch_args) as address, tqdm(total=total, unit="run") as progress:
+    worker_args = ["--device", str(device), "--dtype", args.dtype]
+    with local_services(args.target, args.draft, 0, orch_args, worker_args=worker_args) as address, tqdm(total=total, unit="run") as progress:
         runs = asyncio.run(_run_all(address, hf, chosen, modes, args.max_new_tokens, progress, plan))
     summaries = [summarize(runs, mode, plan) for mode in modes]
     report = {
@@ -416,14 +430,16 @@ def main(argv: list[str] | None = None) -> None:
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
         "duration_s": round(time.time() - started, 1),
         "machine": describe_machine(),
-        "target": args.target, "draft": args.draft, "draft_dtype": str(draft_dtype), "config": config,
+        "device": str(device), "target": args.target, "target_dtype": str(target_dtype), "draft": args.draft,
+        "draft_dtype": str(draft_dtype), "config": config,
         "prompts": [p["id"] for p in chosen], "max_new_tokens": args.max_new_tokens,
         "summaries": summaries, "runs": [asdict(r) for r in runs],
     }
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))
     m = report["machine"]
     md = [f"# specdec bench\n\n`{report['command']}` — {report['started']} UTC, {report['duration_s']:.0f} s, "
-          f"target `{args.target}`, draft `{args.draft}` ({draft_dtype}), prompts {', '.join(report['prompts'])}, "
+          f"on `{device}`: target `{args.target}` ({target_dtype}), draft `{args.draft}` ({draft_dtype}); "
+          f"HF anchors on the same device in the same dtypes; prompts {', '.join(report['prompts'])}, "
           f"{args.max_new_tokens} new tokens.\n\nMachine: {m['cpu']} ({m['cpus']} cpus; flags {m['flags']}); "
           f"{m['gpu']}; torch {m['torch']}.\n"]
     md += [markdown(s) for s in summaries]
@@ -452,7 +468,14 @@ def describe_machine() -> dict[str, Any]:
     gpu = "no GPU"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        gpu = f"GPU {props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}"
+        driver = "unknown"
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=10).stdout.split("\n")[0].strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+        gpu = (f"GPU {props.name} ({props.total_memory / 2**30:.0f} GiB), driver {driver}, "
+               f"CUDA {torch.version.cuda}")
     return {"cpu": cpu, "cpus": os.cpu_count(), "flags": " ".join(f for f in relevant if f in flags) or "none of "
             + "/".join(relevant), "gpu": gpu, "platform": platform.platform(), "torch": torch.__version__}
 

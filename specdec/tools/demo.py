@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from specdec.tools.client import build_request, format_stats, stream_generate
@@ -21,14 +21,16 @@ DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number
 
 
 class Service:
-    def __init__(self, name: str, argv: list[str], workdir: Path) -> None:
+    def __init__(self, name: str, argv: list[str], workdir: Path, cpus: str | None = None) -> None:
+        """cpus: a taskset CPU list ("0", "1-3") to pin the process to, emulating its own device."""
         self.name = name
         self.port_file = workdir / f"{name}.port"
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", *argv, "--port", "0", "--port-file", str(self.port_file)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        pin = ["taskset", "-c", cpus] if cpus else []
+        self.proc = subprocess.Popen([*pin, sys.executable, "-m", *argv, "--port", "0", "--port-file",
+                                      str(self.port_file)], stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     @property
     def port(self) -> int | None:
@@ -66,21 +68,26 @@ def wait_ready(services: list[Service], timeout_s: float) -> None:
 
 @contextlib.contextmanager
 def local_services(target: str, draft: str, threads: int, orch_args: list[str],
-                   timeout_s: float = 900.0) -> Iterator[str]:
-    """Start the three services as subprocesses on free ports; yields the orchestrator address."""
+                   timeout_s: float = 900.0, worker_args: Sequence[str] = (),
+                   cpu_sets: dict[str, str] | None = None) -> Iterator[str]:
+    """Start the three services as subprocesses on free ports; yields the orchestrator address.
+    cpu_sets pins roles ("target", "draft", "orchestrator") to CPU lists."""
+    cpu_sets = cpu_sets or {}
     workdir = Path(tempfile.mkdtemp(prefix="specdec-demo-"))
     services: list[Service] = []
     try:
-        thread_args = ["--threads", str(threads)] if threads else []
+        thread_args = (["--threads", str(threads)] if threads else []) + list(worker_args)
         # One after the other: each worker calibrates at startup, and two calibrating at once on the
         # same cores would measure each other.
-        services.append(Service("target", ["target_worker", "--model", target, *thread_args], workdir))
+        services.append(Service("target", ["target_worker", "--model", target, *thread_args], workdir,
+                                cpu_sets.get("target")))
         wait_ready(services, timeout_s)
-        services.append(Service("draft", ["draft_worker", "--model", draft, *thread_args], workdir))
+        services.append(Service("draft", ["draft_worker", "--model", draft, *thread_args], workdir,
+                                cpu_sets.get("draft")))
         wait_ready(services, timeout_s)
         services.append(Service("orchestrator", [
             "orchestrator", "--draft", f"127.0.0.1:{services[1].port}", "--target", f"127.0.0.1:{services[0].port}",
-            "--tokenizer", target, *orch_args], workdir))
+            "--tokenizer", target, *orch_args], workdir, cpu_sets.get("orchestrator")))
         wait_ready(services, timeout_s)
         print(f"logs: {workdir}")
         yield f"127.0.0.1:{services[2].port}"

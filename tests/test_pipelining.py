@@ -1,0 +1,252 @@
+"""Pipelined rounds: the draft drafts round n+1 while the target verifies round n.
+
+A hit proposes exactly what a serial round would (same prefix, randomness keyed by position), so the
+output must be the same token for token as without pipelining, greedy and sampled; a miss must leave
+the draft's cache consistent. Real gRPC servers on 127.0.0.1 with tiny models.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from orchestrator.config import SpeculationConfig, SpeculationOverride
+from orchestrator.kpolicy import CostModelPolicy, Ewma, SessionStats
+from orchestrator.record import RoundRecord
+from specdec.errors import SessionNotFound
+from tests.stack import request, start_stack
+from tests.test_e2e_generate import reference_greedy
+from tests.test_turn_atomicity import fail_on_call
+
+PROMPT = [5, 6, 7, 8]
+
+
+async def _generate(stack, pipeline: bool, **fields):
+    speculation = {"pipeline": pipeline, **fields.pop("speculation", {"fixed_k": 3})}
+    return await stack.generate(prompt_ids=PROMPT, speculation=speculation, **fields)
+
+
+@pytest.mark.parametrize("draft_ref", ["tiny:seed=0", "tiny:seed=0,noise=0.03", "tiny:seed=1"])
+async def test_greedy_pipelined_equals_target_alone(draft_ref: str) -> None:
+    stack = await start_stack(draft_ref=draft_ref)
+    try:
+        reply = await _generate(stack, True, max_new_tokens=40)
+        assert list(reply.token_ids) == reference_greedy(PROMPT, 40)
+        s = reply.stats
+        assert s.predraft_hits + s.predraft_misses > 0
+        if draft_ref == "tiny:seed=0":
+            # The draft is the target: everything is accepted and the bonus guess is always right.
+            assert s.predraft_misses <= 1 and s.predraft_hits >= 5, (s.predraft_hits, s.predraft_misses)
+            assert s.predraft_saved_ms > 0
+        if draft_ref == "tiny:seed=1":  # an unrelated draft: nearly every pre-draft misses
+            assert s.predraft_hits <= s.predraft_misses
+    finally:
+        await stack.close()
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 1.0},
+    {"temperature": 0.7, "top_k": 20},
+    {"temperature": 1.3, "top_p": 0.8},
+], ids=["t1", "t0.7-topk20", "t1.3-topp0.8"])
+async def test_sampled_pipelined_output_is_the_serial_output_token_for_token(sampling: dict) -> None:
+    """Same seed, same tokens: pipelining changes when drafts are made, never what they are."""
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02")
+    try:
+        hits = misses = 0
+        for seed in range(6):
+            serial = await _generate(stack, False, max_new_tokens=30, seed=seed, **sampling)
+            piped = await _generate(stack, True, max_new_tokens=30, seed=seed, **sampling)
+            assert list(piped.token_ids) == list(serial.token_ids), seed
+            assert serial.stats.predraft_hits == serial.stats.predraft_misses == 0
+            hits += piped.stats.predraft_hits
+            misses += piped.stats.predraft_misses
+        assert hits > 0 and misses > 0, (hits, misses)  # both paths ran
+    finally:
+        await stack.close()
+
+
+async def test_multi_turn_session_with_pipelining_matches_serial() -> None:
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.03")
+    try:
+        outputs = {}
+        for pipeline in (False, True):
+            sid = f"chat-{pipeline}"
+            turns = []
+            for turn in ([5, 6, 7], [40, 41], [90, 91, 92]):
+                reply = await stack.generate(prompt_ids=turn, max_new_tokens=16, session_id=sid,
+                                             temperature=1.0, seed=3, speculation={"fixed_k": 4, "pipeline": pipeline})
+                turns.append(list(reply.token_ids))
+            outputs[pipeline] = turns
+            # What the orchestrator believes the draft holds, it holds (a pre-draft cancelled at the
+            # end of the turn may have added more; the next commit crops what the target did not confirm).
+            session = stack.orch.engine.sessions.get(sid)
+            await asyncio.sleep(0.2)  # let a cancelled pre-draft finish on the worker
+            held = stack.draft.core.session_tokens(sid)
+            assert held is not None and held[:len(session.draft_view.tokens)] == session.draft_view.tokens
+        assert outputs[True] == outputs[False]
+    finally:
+        await stack.close()
+
+
+async def test_a_failing_predraft_costs_nothing_but_time() -> None:
+    """A pre-draft that loses its session or fails is discarded; the round drafts serially."""
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.01")
+    try:
+        reference = reference_greedy(PROMPT, 30)
+        for call_number in (2, 3, 5):
+            fail_on_call(stack.draft.engine, "propose", call_number,
+                         lambda: SessionNotFound("injected: the draft restarted"))
+            reply = await _generate(stack, True, max_new_tokens=30)
+            assert list(reply.token_ids) == reference
+        fail_on_call(stack.draft.engine, "propose", 3, lambda: RuntimeError("injected bug"))
+        reply = await _generate(stack, True, max_new_tokens=30)
+        assert list(reply.token_ids) == reference
+    finally:
+        await stack.close()
+
+
+async def test_cancelled_pipelined_stream_leaves_no_call_behind() -> None:
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.01")
+    try:
+        first = await stack.generate(prompt_ids=PROMPT, max_new_tokens=12, session_id="s",
+                                     speculation={"fixed_k": 3, "pipeline": True})
+        session = stack.orch.engine.sessions.get("s")
+        before = list(session.tokens)
+        call = stack.stub.GenerateStream(request(prompt_ids=[40, 41], max_new_tokens=40, session_id="s",
+                                                 speculation={"fixed_k": 3, "pipeline": True}), timeout=60)
+        seen = 0
+        async for chunk in call:
+            seen += len(chunk.token_ids)
+            if seen >= 6:
+                break
+        call.cancel()
+        deadline = time.monotonic() + 5
+        while session.lock.locked() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert session.tokens == before
+        second = await stack.generate(prompt_ids=[40, 41], max_new_tokens=20, session_id="s",
+                                      speculation={"fixed_k": 3, "pipeline": True})
+        assert list(first.token_ids) == reference_greedy(PROMPT, 12)
+        expected = reference_greedy(PROMPT + list(first.token_ids) + [40, 41], 20)
+        assert list(second.token_ids) == expected
+    finally:
+        await stack.close()
+
+
+# ----------------------------------------------------------------------------- policy and config
+
+def _stats(a: float, draft_ms: float, verify_ms: float, rtt: float, bonus: float) -> SessionStats:
+    stats = SessionStats()
+    stats.acceptance = Ewma(0.3, a)
+    stats.bonus_match = Ewma(0.2, bonus)
+    stats.timing.draft_ms_per_token = Ewma(0.2, draft_ms)
+    stats.timing.seed(draft_ms, {k: verify_ms for k in range(0, 9)})
+    stats.timing.rtt_ms = Ewma(0.2, rtt)
+    return stats
+
+
+def test_pipelined_cost_model_hides_the_draft_on_hits() -> None:
+    # A slow-ish draft on its own device and a long RTT: serial rounds lose, pipelined ones win.
+    stats = _stats(a=0.9, draft_ms=30.0, verify_ms=100.0, rtt=10.0, bonus=0.9)
+    serial, piped = CostModelPolicy(pipelined=False), CostModelPolicy(pipelined=True)
+    for k in range(1, 6):
+        assert CostModelPolicy.tokens_per_ms(stats, k, True) > CostModelPolicy.tokens_per_ms(stats, k, False)
+    assert CostModelPolicy.tokens_per_ms(stats, 0, True) == CostModelPolicy.tokens_per_ms(stats, 0, False)
+    # A draft too slow to pay for itself serially still pays when it runs during the verify.
+    borderline = _stats(a=0.6, draft_ms=60.0, verify_ms=100.0, rtt=10.0, bonus=0.9)
+    assert serial.next_k(borderline, 0, 8) == 0 and piped.next_k(borderline, 0, 8) >= 1
+    # Where the bonus is never guessed, pipelining predicts nothing better than serial.
+    never = _stats(a=0.9, draft_ms=30.0, verify_ms=100.0, rtt=10.0, bonus=0.0)
+    assert CostModelPolicy.tokens_per_ms(never, 3, True) == pytest.approx(CostModelPolicy.tokens_per_ms(never, 3, False))
+    # A hit costs max(draft of k+1, verify) + rtt: with the draft slower than the verify, the
+    # overhang is paid.
+    slow = _stats(a=1.0, draft_ms=50.0, verify_ms=100.0, rtt=0.0, bonus=1.0)
+    assert CostModelPolicy.tokens_per_ms(slow, 3, True) == pytest.approx(4 / 200.0)
+
+
+def test_bonus_match_is_learned_only_after_fully_accepted_rounds() -> None:
+    stats = SessionStats()
+    start = stats.bonus_match.value
+
+    def record(drafted: int, accepted: int, hit: bool | None) -> RoundRecord:
+        return RoundRecord("s", 1, 0, "cost", drafted, tuple(range(drafted)), (), (), accepted, (1,), "", None,
+                           False, True, 1.0, 1.0, 10.0, 10.0, 12.0, 0, 0, 0, 0, predraft_hit=hit)
+    stats.observe(record(3, 1, None))
+    stats.observe(record(3, 3, False))  # previous round rejected: a miss says nothing about the bonus
+    assert stats.bonus_match.value == start
+    stats.observe(record(3, 3, True))   # previous round fully accepted, and the guess hit
+    assert stats.bonus_match.value > start
+
+
+def test_pipeline_config_and_override() -> None:
+    assert SpeculationConfig().pipeline is False
+    on = SpeculationConfig().with_override(SpeculationOverride(pipeline=True))
+    assert on.pipeline is True and on.make_policy().pipelined is True
+    assert "pipeline = true" in on.to_toml()
+    assert SpeculationConfig().with_values({"pipeline": True}, "test").pipeline is True
+    with pytest.raises(Exception, match="pipeline must be true or false"):
+        SpeculationConfig().with_values({"pipeline": "yes"}, "test")
+
+
+# ----------------------------------------------------------------------------- network emulation and report
+
+async def test_emulated_latency_delays_both_directions_and_keeps_errors() -> None:
+    import grpc
+
+    from orchestrator.clients import EmulatedLatency, open_channel
+    from specdec.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+    stack = await start_stack()
+    channel = open_channel(f"127.0.0.1:{stack.draft_handle.port}", interceptors=[EmulatedLatency(30.0)])
+    try:
+        stub = worker_pb2_grpc.DraftWorkerStub(channel)
+        started = time.perf_counter()
+        info = await stub.GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+        assert info.role == "draft" and time.perf_counter() - started >= 0.060  # 2 x 30 ms, at least
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Propose(worker_pb2.ProposeRequest(session_id="missing", k=2,
+                                                         commit=common_pb2.CacheCommit(cache_len=5)), timeout=10)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await channel.close()
+        await stack.close()
+
+
+def test_netbench_summary_ratios_hit_rate_and_identity() -> None:
+    from specdec.tools.netbench import NetRun, markdown, summarize
+
+    def run(system: str, prompt: str, wall: float, hits: int = 0, misses: int = 0, ids=(1, 2, 3)) -> NetRun:
+        return NetRun(10.0, system, prompt, 30, wall, verify_ms=wall * 500, hits=hits, misses=misses,
+                      saved_ms=hits * 5.0, token_ids=list(ids))
+    runs = [run("target-only", "a", 3.0), run("serial", "a", 2.0), run("pipelined", "a", 1.5, 3, 1),
+            run("target-only", "b", 3.0), run("serial", "b", 2.0), run("pipelined", "b", 1.0, 1, 3)]
+    (row,) = summarize(runs)
+    assert row["serial_vs_target_only"] == pytest.approx(1.5)
+    assert row["pipelined_vs_serial"] == pytest.approx(statistics_median([2.0 / 1.5, 2.0]))
+    assert row["hit_rate"] == pytest.approx(0.5) and row["identical"]
+    assert row["serial_target_busy"] == pytest.approx(0.5)
+    assert "| 10 ms |" in markdown([row])
+    runs.append(run("pipelined", "c", 1.0, ids=(9,)))
+    runs.append(run("target-only", "c", 1.0))
+    assert not summarize(runs)[0]["identical"]
+
+
+def statistics_median(xs: list[float]) -> float:
+    import statistics
+    return statistics.median(xs)
+
+
+def test_metrics_count_predraft_outcomes_and_saved_time() -> None:
+    from orchestrator.metrics import OrchestratorMetrics
+    metrics = OrchestratorMetrics()
+
+    def record(hit: bool | None, saved: float) -> RoundRecord:
+        return RoundRecord("s", 2, 0, "cost", 3, (1, 2, 3), (), (), 3, (1, 2, 3, 4), "", None, False, True,
+                           40.0, 10.0, 100.0, 101.0, 105.0, 1, 1, 0, 0, predraft_hit=hit, predraft_saved_ms=saved)
+    for hit, saved in ((True, 30.0), (True, 20.0), (False, 0.0), (None, 0.0)):
+        metrics.observe(record(hit, saved))
+    value = metrics.registry.get_sample_value
+    assert value("specdec_predrafts_total", {"outcome": "hit"}) == 2
+    assert value("specdec_predrafts_total", {"outcome": "miss"}) == 1
+    assert value("specdec_predraft_saved_seconds_total") == pytest.approx(0.05)
