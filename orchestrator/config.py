@@ -56,7 +56,8 @@ class SpeculationConfig:
         "`speculation.min_draft_prob`."))
     pipeline: bool = field(default=False, metadata=_doc(
         "Pipelined rounds: while the target verifies round n, the draft drafts round n+1 assuming round "
-        "n is fully accepted; a hit skips the wait for the draft. Same output token for token. Pays "
+        "n is fully accepted; a hit skips the wait for the draft. Lossless; with a float32 draft the "
+        "output is even the serial one token for token. Pays "
         "where draft and target run on different devices or nodes; off by default because on one "
         "shared CPU the two forwards compete for the same cores. Per request: `speculation.pipeline`."))
     heuristic_initial_k: int = field(default=4, metadata=_doc("First k of the `heuristic` policy."))

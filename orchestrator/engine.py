@@ -7,6 +7,7 @@ live in orchestrator.rounds, stop rules in orchestrator.stopping, k policies in 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import random
@@ -201,9 +202,12 @@ class GenerationEngine:
             saved_tokens, saved_messages = list(session.tokens), list(session.messages)
             completed = False
             try:
-                async for event in self._run_turn(session, params, speculation, deadline):
-                    completed = event.finish_reason is not None
-                    yield event
+                # aclosing: a consumer that stops early closes the turn (and its pending pre-draft)
+                # here, before the session lock is released, not whenever the generator is collected.
+                async with contextlib.aclosing(self._run_turn(session, params, speculation, deadline)) as events:
+                    async for event in events:
+                        completed = event.finish_reason is not None
+                        yield event
             finally:
                 # All or nothing: a failed or cancelled turn leaves the session as it was, so a retry
                 # never sees the prompt twice.
@@ -227,7 +231,8 @@ class GenerationEngine:
         stop = StopConditions.for_turn(self.target_info.eos_token_ids, params.max_new_tokens, context - prompt_len,
                                        params.stop, self.tokenizer.decode)
         round_ = Round(self.workers, session, SamplingConfig(params.temperature, params.top_k, params.top_p, seed),
-                       deadline, stop, spec.min_draft_prob, policy.name, pipeline=spec.pipeline)
+                       deadline, stop, spec.min_draft_prob, policy.name, pipeline=spec.pipeline,
+                       max_k=spec.max_k)
         stats = GenerationStats(seed=seed, prompt_tokens=prompt_len)
         prior = self.prior_for(session.session_id)
         observers: list[Any] = [stats, session.stats, _PriorObserver(prior), *self.observers]

@@ -2,6 +2,9 @@
 
 Pure Python (no grpc, no torch), so every policy is unit-tested on synthetic acceptance sequences.
 k = 0 means target-only decoding for that round.
+
+Over 300 lines: the timing model, the session statistics and the four policies read the same
+estimates (acceptance, per-k costs, RTTs, bonus match); one module keeps them consistent.
 """
 from __future__ import annotations
 
@@ -64,6 +67,9 @@ class TimingModel:
     # step function (GEMM kernels switch at a batch size), which no line captures.
     verify_by_k: dict[int, Ewma] = field(default_factory=dict)
     rtt_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 1.0))
+    # The draft call's own network + serving overhead (its wall time minus its compute): a draft on
+    # a far node can cost more in RTT than in compute.
+    draft_rtt_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 1.0))
 
     def verify_ms(self, k: int) -> float:
         """Verify cost of k drafts, monotone in k.
@@ -114,6 +120,9 @@ class TimingModel:
     def observe_rtt(self, overhead_ms: float) -> None:
         self.rtt_ms.update(max(0.0, overhead_ms))
 
+    def observe_draft_rtt(self, overhead_ms: float) -> None:
+        self.draft_rtt_ms.update(max(0.0, overhead_ms))
+
 
 @dataclass
 class SessionStats:
@@ -127,6 +136,8 @@ class SessionStats:
     last_accepted: int = 0
     rounds: int = 0
     rounds_since_draft: int = 0
+    # Probes in a row that found speculation still losing: each doubles the wait before the next.
+    failed_probes: int = 0
     # Bandit arms: k -> [rounds, mean tokens per ms]
     arms: dict[int, list[float]] = field(default_factory=dict)
 
@@ -139,6 +150,9 @@ class SessionStats:
             if record.target_prefilled <= 1:
                 self.timing.observe_verify(record.drafted, record.verify_ms)
             self.timing.observe_rtt(record.verify_wall_ms - record.verify_ms)
+            draft_wall = getattr(record, "draft_wall_ms", 0.0)
+            if draft_wall > 0 and record.draft_ms > 0:
+                self.timing.observe_draft_rtt(draft_wall - record.draft_ms)
         hit = getattr(record, "predraft_hit", None)
         if hit is not None and self.last_k > 0 and self.last_accepted == self.last_k:
             # The previous round accepted everything, so hit or miss was the bonus guess's doing.
@@ -217,8 +231,10 @@ class CostModelPolicy:
     """Maximise expected tokens per second E(k) / (k*t_draft + t_verify(k) + rtt).
 
     Picks k = 0 (target-only) when no k > 0 beats plain decoding, e.g. when the draft is slow or
-    acceptance is low. While at k = 0 nothing new is learned about acceptance, so every
-    `probe_every` rounds it drafts one token to refresh the estimate.
+    acceptance is low. While at k = 0 nothing new is learned about acceptance, so after
+    `probe_every` target-only rounds it drafts one token to refresh the estimate; each probe after
+    which speculation still loses doubles that wait (up to 16x), so a pair that cannot win pays for
+    ever fewer probes.
 
     Pipelined rounds (`pipelined`): with probability h = a^k * b (all k accepted, and the draft's
     guess of the bonus right, measured as b) the next round's drafts are ready when its verify may
@@ -231,8 +247,13 @@ class CostModelPolicy:
 
     def next_k(self, stats: SessionStats, min_k: int, max_k: int) -> int:
         best = self._argmax(stats, min_k, max_k)
-        if best == 0 and max_k > 0 and self.probe_every and stats.rounds_since_draft >= self.probe_every:
-            return max(1, min_k)
+        if best > 0:
+            stats.failed_probes = 0
+            return best
+        if max_k > 0 and self.probe_every:
+            if stats.rounds_since_draft >= self.probe_every * 2 ** min(stats.failed_probes, 4):
+                stats.failed_probes += 1  # reset as soon as a probe shows that drafting pays
+                return max(1, min_k)
         return best
 
     def _argmax(self, stats: SessionStats, min_k: int, max_k: int) -> int:
@@ -247,12 +268,15 @@ class CostModelPolicy:
     def tokens_per_ms(stats: SessionStats, k: int, pipelined: bool = False) -> float:
         t = stats.timing
         draft_ms, verify_ms, rtt = k * t.draft_ms_per_token.value, t.verify_ms(k), t.rtt_ms.value
-        # A speculative round makes two calls, target-only one.
-        serial = draft_ms + verify_ms + rtt + (rtt if k > 0 else 0.0)
+        draft_rtt = t.draft_rtt_ms.value
+        # A speculative round makes two calls (draft, then target), target-only one.
+        serial = draft_ms + verify_ms + rtt + (draft_rtt if k > 0 else 0.0)
         cost = serial
         if pipelined and k > 0:
+            # Hit: the pre-draft (k+1 tokens) ran during the previous verify; the round waits for
+            # whichever of the two calls ends last: max(draft, verify) + rtt.
             hit = stats.acceptance.value ** k * stats.bonus_match.value
-            overhang = max(0.0, draft_ms + t.draft_ms_per_token.value - verify_ms)
+            overhang = max(0.0, draft_ms + t.draft_ms_per_token.value + draft_rtt - verify_ms - rtt)
             cost = hit * (verify_ms + rtt + overhang) + (1.0 - hit) * serial
         return expected_tokens(stats.acceptance.value, k) / max(cost, 1e-6)
 

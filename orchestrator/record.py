@@ -41,6 +41,7 @@ class RoundRecord:
     # came from the pre-draft made during the previous verify (its draft time was hidden).
     predraft_hit: bool | None = None
     predraft_saved_ms: float = 0.0  # draft wall time this round did not wait for (hits only)
+    draft_wall_ms: float = 0.0      # the draft call as the orchestrator saw it (RPC + compute)
 
     @property
     def drafted(self) -> int:

@@ -94,6 +94,7 @@ class _PreDraft:
     calls: "_Calls"
     task: "asyncio.Task[DraftReply | None]"
     started: float
+    rejected: bool = False          # the verify rejected a draft: the assumption failed, call cancelled
 
 
 @dataclass
@@ -112,9 +113,10 @@ class Round:
 
     def __init__(self, workers: Workers, session: OrchestratorSession, sampling: SamplingConfig,
                  deadline: Deadline, stop: StopConditions, min_draft_prob: float, policy_name: str,
-                 pipeline: bool = False) -> None:
+                 pipeline: bool = False, max_k: int = 8) -> None:
         self.workers = workers
         self.pipeline = pipeline
+        self.max_k = max_k
         self._ahead: _PreDraft | None = None
         self.session = session
         self.sampling = sampling
@@ -131,8 +133,9 @@ class Round:
         canonical = self.session.tokens
         position = len(canonical)
         calls = _Calls()
-        use_draft = k > 0 and self.workers.draft_health_for(self.session.session_id).usable()
         reply, hit, saved_ms = await self._take_predraft(k, calls)
+        # After the pre-draft settled: a pre-draft that found the draft down put it in backoff.
+        use_draft = k > 0 and self.workers.draft_health_for(self.session.session_id).usable()
         if reply is None and use_draft:
             reply = await self._propose(k, calls)
         drafts = reply.tokens if reply else []
@@ -140,8 +143,15 @@ class Round:
         # fully accepted round (its drafts and the bonus).
         if (self.pipeline and drafts and self.stop.remaining - (len(drafts) + 1) >= 2
                 and self.workers.draft_health_for(self.session.session_id).usable()):
-            self._start_predraft(canonical + drafts, len(drafts) + 1)
+            # One more than this round's k, so k can grow along a run of hits (the first token is
+            # the bonus guess); the next round uses at most its own k of them.
+            depth = min(len(drafts) + 1, self.max_k, self.stop.remaining - len(drafts) - 2) + 1
+            self._start_predraft(canonical + drafts, depth)
         verify = await self._verify(drafts, reply.q_payload if reply else None, calls)
+        if self._ahead is not None and verify.accepted_len < len(drafts):
+            # A rejection: the pre-draft's assumption failed. Stop it now rather than wait for it.
+            self._ahead.rejected = True
+            self._ahead.task.cancel()
         out = self.stop.apply((drafts[:verify.accepted_len] + [verify.next_token])[:self.stop.remaining])
         canonical.extend(out.tokens)
         return RoundRecord(
@@ -157,7 +167,7 @@ class Round:
             target_cached=calls.target_cached, reprefills=calls.reprefills,
             bytes_to_draft=calls.bytes_to_draft, bytes_from_draft=calls.bytes_from_draft,
             bytes_to_target=calls.bytes_to_target, bytes_from_target=calls.bytes_from_target,
-            predraft_hit=hit, predraft_saved_ms=saved_ms)
+            predraft_hit=hit, predraft_saved_ms=saved_ms, draft_wall_ms=reply.wall_ms if reply else 0.0)
 
     # ------------------------------------------------------------------ pipelining
     def _start_predraft(self, assumed: list[int], k: int) -> None:
@@ -166,34 +176,53 @@ class Round:
         self._ahead = _PreDraft(assumed, calls, task, time.perf_counter())
 
     async def _take_predraft(self, k: int, calls: _Calls) -> tuple[DraftReply | None, bool | None, float]:
-        """Settle the pending pre-draft: (this round's drafts if it hit, hit or miss or None, ms saved).
+        """Settle the pending pre-draft: (this round's drafts if it hit, hit / miss / None, ms saved).
 
-        Always awaited, hit or miss: the draft's cache must be in a known state before the next call
-        (a miss is then cropped by the next commit). The wait overlaps the verify that just ended.
+        hit: the target accepted everything and its bonus was the draft's guess; miss: the verify
+        rejected a draft or the guess was wrong; None: nothing was tested (no pre-draft, k = 0 now,
+        or the pre-draft failed or stopped at its guess). A pre-draft still running is waited for
+        only when it may hit; otherwise it is cancelled. Either way the draft's cache is in a state
+        the view accounts for before the next call.
         """
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None, None, 0.0
+        if k == 0 and not ahead.task.done():
+            ahead.task.cancel()
         waited_from = time.perf_counter()
-        try:
-            pre = await ahead.task
-        except (SessionNotFound, CacheMismatch) as exc:
-            # The pre-draft lost the session twice: optional work, so this round drafts serially.
-            log.info("pre-draft failed (%s); drafting this round serially", exc)
-            self.session.draft_view.reset()
-            pre = None
+        pre = await self._outcome(ahead)
         waited_ms = (time.perf_counter() - waited_from) * 1000.0
         for name in ("reprefills", "bytes_to_draft", "bytes_from_draft"):
             setattr(calls, name, getattr(calls, name) + getattr(ahead.calls, name))
-        canonical = self.session.tokens
-        if (k > 0 and pre is not None and len(pre.tokens) >= 2
-                and canonical == ahead.assumed + [pre.tokens[0]]):
-            usable = pre.after_first()
-            usable.tokens, usable.token_probs = usable.tokens[:k], usable.token_probs[:k]
-            if usable.q_payload is not None and len(usable.q_payload):
-                usable.q_payload = usable.q_payload[:k]
-            return usable, True, max(0.0, pre.wall_ms - waited_ms)
-        return None, False, 0.0
+        if ahead.rejected:
+            return None, False, 0.0
+        if k == 0 or pre is None or len(pre.tokens) < 2:
+            return None, None, 0.0
+        if self.session.tokens != ahead.assumed + [pre.tokens[0]]:
+            return None, False, 0.0
+        usable = pre.after_first()
+        usable.tokens, usable.token_probs = usable.tokens[:k], usable.token_probs[:k]
+        usable.confidences = usable.confidences[:k]
+        if usable.q_payload is not None and len(usable.q_payload):
+            usable.q_payload = usable.q_payload[:k]
+        return usable, True, max(0.0, pre.wall_ms - waited_ms)
+
+    async def _outcome(self, ahead: _PreDraft) -> DraftReply | None:
+        """The pre-draft's reply, or None if it was cancelled or failed. Waits with asyncio.wait, so
+        a cancellation of the turn itself still propagates."""
+        await asyncio.wait({ahead.task})
+        if ahead.task.cancelled():
+            return None
+        exc = ahead.task.exception()
+        if exc is None:
+            return ahead.task.result()
+        if isinstance(exc, DeadlineExceeded):
+            raise exc
+        if isinstance(exc, (SessionNotFound, CacheMismatch)):
+            # The pre-draft lost the session twice: optional work, so this round drafts serially.
+            self.session.draft_view.reset()
+        log.info("pre-draft failed (%s); drafting serially", exc)
+        return None
 
     async def settle(self) -> None:
         """End of a turn (finished, failed or cancelled): drop a pending pre-draft, so that no draft
@@ -203,12 +232,13 @@ class Round:
         if ahead is None:
             return
         ahead.task.cancel()
-        try:
-            await ahead.task
-        except asyncio.CancelledError:
-            pass
-        except Exception as exc:  # a pre-draft is optional: its failure never fails the turn
-            log.info("pre-draft failed at the end of a turn: %s", exc)
+        await asyncio.wait({ahead.task})
+        if not ahead.task.cancelled() and ahead.task.exception() is not None:
+            log.info("pre-draft failed at the end of a turn: %s", ahead.task.exception())
+
+    @property
+    def predraft_pending(self) -> bool:
+        return self._ahead is not None
 
     async def _propose(self, k: int, calls: _Calls, canonical: list[int] | None = None) -> DraftReply | None:
         """Ask the draft for k tokens; None if the draft cannot serve this round (it runs target-only).

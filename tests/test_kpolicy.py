@@ -60,15 +60,20 @@ def test_cost_model_picks_zero_when_draft_too_slow_or_useless() -> None:
     assert policy.next_k(stats_with(0.05), 2, 8) == 2  # min_k wins over the model
 
 
-def test_cost_model_probes_after_long_target_only_stretch() -> None:
+def test_cost_model_probes_after_long_target_only_stretch_and_backs_off() -> None:
+    """Probes after 4 target-only rounds; each probe that finds drafting still losing doubles the
+    wait (4, 8, 16, ...), so a pair that cannot win pays for ever fewer probes."""
     policy = CostModelPolicy(probe_every=4)
     s = stats_with(0.05)
     decisions = []
-    for _ in range(10):
+    for _ in range(31):
         k = policy.next_k(s, 0, 8)
         decisions.append(k)
         s.observe_round(k, 0)
-    assert decisions.count(1) == 2 and decisions[4] == 1
+    assert [i for i, k in enumerate(decisions) if k] == [4, 13, 30]
+    # A probe that shows drafting pays again resets the back-off.
+    s.acceptance.value = 0.95
+    assert policy.next_k(s, 0, 8) > 0 and s.failed_probes == 0
 
 
 def test_acceptance_ewma_tracks_rounds() -> None:

@@ -126,6 +126,9 @@ async def test_cancelled_pipelined_stream_leaves_no_call_behind() -> None:
         while session.lock.locked() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert session.tokens == before
+        # No pre-draft task outlives the cancelled turn.
+        pending = [t for t in asyncio.all_tasks() if not t.done() and "_propose" in repr(t.get_coro())]
+        assert not pending, pending
         second = await stack.generate(prompt_ids=[40, 41], max_new_tokens=20, session_id="s",
                                       speculation={"fixed_k": 3, "pipeline": True})
         assert list(first.token_ids) == reference_greedy(PROMPT, 12)
@@ -144,6 +147,7 @@ def _stats(a: float, draft_ms: float, verify_ms: float, rtt: float, bonus: float
     stats.timing.draft_ms_per_token = Ewma(0.2, draft_ms)
     stats.timing.seed(draft_ms, {k: verify_ms for k in range(0, 9)})
     stats.timing.rtt_ms = Ewma(0.2, rtt)
+    stats.timing.draft_rtt_ms = Ewma(0.2, rtt)
     return stats
 
 
@@ -250,3 +254,17 @@ def test_metrics_count_predraft_outcomes_and_saved_time() -> None:
     assert value("specdec_predrafts_total", {"outcome": "hit"}) == 2
     assert value("specdec_predrafts_total", {"outcome": "miss"}) == 1
     assert value("specdec_predraft_saved_seconds_total") == pytest.approx(0.05)
+
+
+async def test_k_can_grow_along_a_run_of_hits() -> None:
+    """Each pre-draft is one deeper than its round, so a policy that raises k on full acceptance
+    (heuristic: +2) is not held at its first k by the pipeline."""
+    stack = await start_stack(draft_ref="tiny:seed=0")
+    try:
+        serial = await _generate(stack, False, max_new_tokens=40, speculation={"policy": "heuristic", "max_k": 8})
+        piped = await _generate(stack, True, max_new_tokens=40, speculation={"policy": "heuristic", "max_k": 8})
+        assert list(piped.token_ids) == list(serial.token_ids) == reference_greedy(PROMPT, 40)
+        assert max(piped.stats.k_per_round) >= 6, list(piped.stats.k_per_round)
+        assert piped.stats.predraft_hits >= 3
+    finally:
+        await stack.close()
