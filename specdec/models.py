@@ -116,6 +116,8 @@ def resolve_device(name: str = "auto") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelRefError(f"device {name!r} asked for, but torch sees no CUDA device "
                             f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ModelRefError(f"device {name!r} asked for, but torch sees {torch.cuda.device_count()} CUDA device(s)")
     if device.type not in ("cpu", "cuda"):
         raise ModelRefError(f"device type {device.type!r} is not supported; choose cpu or cuda")
     return device

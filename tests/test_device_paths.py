@@ -126,7 +126,11 @@ def test_device_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ModelRefError, match="unknown device"):
         resolve_device("gpu please")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ModelRefError, match="sees 2 CUDA device"):
+        resolve_device("cuda:2")
 
 
 def test_bench_anchors_load_on_the_workers_device_in_their_dtypes() -> None:
