@@ -426,9 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.target not in df.stages:
         parser.error(f"no stage {args.target!r}; stages: {', '.join(df.stages)}")
     python_version = df.global_args.get("PYTHON_VERSION") or "3"
-    python = args.python or shutil.which(f"python{python_version}")
-    if not python:
-        raise SystemExit(f"no python{python_version} on PATH (use --python)")
+    # The base image's interpreter, stood in for by the same version here, else by this one (the
+    # package supports 3.11-3.13; the report names the interpreter used).
+    python = args.python or shutil.which(f"python{python_version}") or sys.executable
     runtime = chain(df, args.target)
     base = runtime[0].base
     if not re.fullmatch(r"python:[\d.]+-slim(-\w+)?", base):
