@@ -150,13 +150,11 @@ class SessionStats:
             if record.target_prefilled <= 1:
                 self.timing.observe_verify(record.drafted, record.verify_ms)
             self.timing.observe_rtt(record.verify_wall_ms - record.verify_ms)
-            draft_wall = getattr(record, "draft_wall_ms", 0.0)
-            if draft_wall > 0 and record.draft_ms > 0:
-                self.timing.observe_draft_rtt(draft_wall - record.draft_ms)
-        hit = getattr(record, "predraft_hit", None)
-        if hit is not None and self.last_k > 0 and self.last_accepted == self.last_k:
+            if record.draft_wall_ms > 0 and record.draft_ms > 0:
+                self.timing.observe_draft_rtt(record.draft_wall_ms - record.draft_ms)
+        if record.predraft_hit is not None and self.last_k > 0 and self.last_accepted == self.last_k:
             # The previous round accepted everything, so hit or miss was the bonus guess's doing.
-            self.bonus_match.update(1.0 if hit else 0.0)
+            self.bonus_match.update(1.0 if record.predraft_hit else 0.0)
         self.observe_round(record.drafted, record.accepted, record.round_ms if record.steady else None)
 
     def observe_round(self, k: int, accepted: int, round_ms: float | None = None) -> None:

@@ -5,13 +5,13 @@ fallback, target retry), cuts the output with the turn's stop conditions and ret
 `RoundRecord`. Everything else (stats, metrics, traces, the k policy, stream events) observes records.
 
 Pipelining (opt-in): while the target verifies round n, the draft already drafts round n+1 on the
-assumption that round n is fully accepted. It drafts k+1 tokens after round n's drafts; the first is
-its guess of the target's bonus token. If the target accepts everything and its bonus equals that
-guess (a hit), round n+1 verifies the remaining k drafts at once, without waiting for the draft. The
-pre-draft conditions on exactly the prefix round n+1 has, and the draft's randomness is keyed by
-(seed, position), so a hit proposes the very tokens and q a serial round would: the output is the
-same token for token, for greedy and for sampling. On a miss the pre-draft is discarded and the next
-commit crops the draft's cache back to the canonical prefix.
+assumption that round n is fully accepted. It drafts k+2 tokens after round n's drafts (one deeper,
+so k can grow along hits); the first is its guess of the target's bonus token. If the target accepts
+everything and its bonus equals that guess (a hit), round n+1 verifies up to its k of the rest at once,
+without waiting for the draft. The pre-draft conditions on exactly the prefix round n+1 has and was
+sampled from the q that is sent, so the round stays lossless; with a float32 draft it even proposes the
+very tokens a serial round would (docs/pipelining.md). A rejection cancels the pre-draft; on a miss
+the next commit crops the draft's cache back to the canonical prefix.
 
 Over 300 lines: the serial calls, their recovery paths and the pre-draft share one round's state
 (the session's views, the deadline, the draft's health); apart, one protocol would span three files.

@@ -219,12 +219,19 @@ def propose_tokens(first_logits: torch.Tensor, feed: Callable[[int], torch.Tenso
 
 # ----------------------------------------------------------------------------- verification
 
+def acceptance_probabilities(p: torch.Tensor, q: torch.Tensor, tokens: list[int]) -> list[float]:
+    """min(1, p_i(x_i)/q_i(x_i)) for dense rows p[i], q[i] and drafted tokens x_i, on their device
+    (0 where q_i(x_i) = 0); only the len(tokens) results cross to the host."""
+    rows = torch.arange(len(tokens), device=p.device)
+    index = torch.tensor(tokens, dtype=torch.int64, device=p.device)
+    p_x, q_x = p[rows, index], q[rows, index]
+    ratio = torch.clamp(p_x / torch.where(q_x > 0, q_x, torch.ones_like(q_x)), max=1.0)
+    return torch.where(q_x > 0, ratio, torch.zeros_like(ratio)).tolist()
+
+
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor, token: int) -> float:
     """min(1, p(x)/q(x)) for dense p and q."""
-    qx = float(q[token])
-    if qx <= 0.0:
-        return 0.0
-    return min(1.0, float(p[token]) / qx)
+    return acceptance_probabilities(p[None], q[None], [token])[0]
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -269,13 +276,8 @@ def verify_sampled(target_logits: torch.Tensor, draft_tokens: list[int], q: list
     vocab, device = p_all.shape[-1], p_all.device
     k = len(draft_tokens)
     if k:
-        # min(1, p(x)/q(x)) for every drafted position at once, on the device; k floats cross.
         q_dense = torch.stack([qi.to_dense(vocab, device) for qi in q])
-        rows = torch.arange(k, device=device)
-        tokens = torch.tensor(draft_tokens, dtype=torch.int64, device=device)
-        p_x, q_x = p_all[rows, tokens], q_dense[rows, tokens]
-        ratio = torch.clamp(p_x / torch.where(q_x > 0, q_x, torch.ones_like(q_x)), max=1.0)
-        accept_probs = torch.where(q_x > 0, ratio, torch.zeros_like(ratio)).tolist()
+        accept_probs = acceptance_probabilities(p_all[:k], q_dense, draft_tokens)
     for i in range(k):
         position = first_position + i
         if rng.accept(accept_probs[i], position, STREAM_ACCEPT):

@@ -113,3 +113,14 @@ def target_stub(stack: Stack) -> worker_pb2_grpc.TargetWorkerStub:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{stack.target_handle.port}")
     stack.extra.append(channel)
     return worker_pb2_grpc.TargetWorkerStub(channel)
+
+
+async def cancel_stream_after(stack: Stack, tokens: int, **fields: Any) -> None:
+    """A client that goes away mid-stream: read GenerateStream until `tokens` tokens came, then cancel."""
+    call = stack.stub.GenerateStream(request(**fields), timeout=60)
+    seen = 0
+    async for chunk in call:
+        seen += len(chunk.token_ids)
+        if seen >= tokens:
+            break
+    call.cancel()

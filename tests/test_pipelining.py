@@ -7,6 +7,7 @@ the draft's cache consistent. Real gRPC servers on 127.0.0.1 with tiny models.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 
 import pytest
@@ -15,7 +16,7 @@ from orchestrator.config import SpeculationConfig, SpeculationOverride
 from orchestrator.kpolicy import CostModelPolicy, Ewma, SessionStats
 from orchestrator.record import RoundRecord
 from specdec.errors import SessionNotFound
-from tests.stack import request, start_stack
+from tests.stack import cancel_stream_after, start_stack
 from tests.test_e2e_generate import reference_greedy
 from tests.test_turn_atomicity import fail_on_call
 
@@ -114,14 +115,8 @@ async def test_cancelled_pipelined_stream_leaves_no_call_behind() -> None:
                                      speculation={"fixed_k": 3, "pipeline": True})
         session = stack.orch.engine.sessions.get("s")
         before = list(session.tokens)
-        call = stack.stub.GenerateStream(request(prompt_ids=[40, 41], max_new_tokens=40, session_id="s",
-                                                 speculation={"fixed_k": 3, "pipeline": True}), timeout=60)
-        seen = 0
-        async for chunk in call:
-            seen += len(chunk.token_ids)
-            if seen >= 6:
-                break
-        call.cancel()
+        await cancel_stream_after(stack, 6, prompt_ids=[40, 41], max_new_tokens=40, session_id="s",
+                                  speculation={"fixed_k": 3, "pipeline": True})
         deadline = time.monotonic() + 5
         while session.lock.locked() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -227,7 +222,7 @@ def test_netbench_summary_ratios_hit_rate_and_identity() -> None:
             run("target-only", "b", 3.0), run("serial", "b", 2.0), run("pipelined", "b", 1.0, 1, 3)]
     (row,) = summarize(runs)
     assert row["serial_vs_target_only"] == pytest.approx(1.5)
-    assert row["pipelined_vs_serial"] == pytest.approx(statistics_median([2.0 / 1.5, 2.0]))
+    assert row["pipelined_vs_serial"] == pytest.approx(statistics.median([2.0 / 1.5, 2.0]))
     assert row["hit_rate"] == pytest.approx(0.5) and row["identical"]
     assert row["serial_target_busy"] == pytest.approx(0.5)
     assert "| 10 ms |" in markdown([row])
@@ -235,10 +230,6 @@ def test_netbench_summary_ratios_hit_rate_and_identity() -> None:
     runs.append(run("target-only", "c", 1.0))
     assert not summarize(runs)[0]["identical"]
 
-
-def statistics_median(xs: list[float]) -> float:
-    import statistics
-    return statistics.median(xs)
 
 
 def test_metrics_count_predraft_outcomes_and_saved_time() -> None:

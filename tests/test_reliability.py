@@ -21,7 +21,7 @@ from specdec.models import ByteTokenizer
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, worker_pb2
 from specdec.worker_core import StoreLimits
 from tests.procs import aspawn, aspawn_worker, stop
-from tests.stack import request, start_stack, start_worker, target_stub
+from tests.stack import cancel_stream_after, request, start_stack, start_worker, target_stub
 from tests.test_e2e_generate import reference_greedy
 
 PROMPT = [11, 22, 33, 44, 55]
@@ -164,13 +164,7 @@ async def test_deadline_and_cancellation_leak_nothing(stack) -> None:
         fields = dict(prompt_ids=PROMPT, max_new_tokens=3000, speculation={"fixed_k": 2})
         if session_id:
             fields["session_id"] = session_id
-        call = stack.stub.GenerateStream(request(**fields), timeout=60)
-        seen = 0
-        async for chunk in call:
-            seen += len(chunk.token_ids)
-            if seen >= 10:
-                break
-        call.cancel()
+        await cancel_stream_after(stack, 10, **fields)
     engine = stack.orch.engine
     await wait_until(lambda: stack.orch.admission.running == 0 and not engine._background
                      and set(stack.target.core.store._slots) <= {"kept"}

@@ -20,7 +20,7 @@ from orchestrator.rounds import DraftHealth
 from specdec.errors import DeadlineExceeded, InvalidRequest
 from specdec.models import ByteTokenizer
 from specdec.v1 import common_pb2
-from tests.stack import request, start_stack
+from tests.stack import cancel_stream_after, request, start_stack
 from tests.test_e2e_generate import reference_greedy
 
 TURNS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [90, 91]]
@@ -57,14 +57,7 @@ async def test_cancelled_turn_leaves_the_session_as_before(disagreeing_stack) ->
     first = await stack.generate(prompt_ids=TURNS[0], max_new_tokens=NEW, session_id="s", speculation=SPEC)
     session = stack.orch.engine.sessions.get("s")
     before = list(session.tokens)
-    call = stack.stub.GenerateStream(request(prompt_ids=TURNS[1], max_new_tokens=NEW, session_id="s",
-                                             speculation=SPEC), timeout=60)
-    seen = 0
-    async for chunk in call:
-        seen += len(chunk.token_ids)
-        if seen >= 4:
-            break
-    call.cancel()
+    await cancel_stream_after(stack, 4, prompt_ids=TURNS[1], max_new_tokens=NEW, session_id="s", speculation=SPEC)
     for _ in range(200):
         if not session.lock.locked():
             break
