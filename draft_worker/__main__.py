@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="max entries of the sparse draft distribution sent per position")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s draft %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve_worker(args, "draft", lambda core: DraftServicer(core, args.max_q_entries),
+    asyncio.run(serve_worker(args, "draft", lambda core, limits: DraftServicer(core, args.max_q_entries, limits),
                              register, SERVICE_NAME))
 
 

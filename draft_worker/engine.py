@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 from specdec.contract import MAX_K, CallStats, Commit, SamplingConfig
 from specdec.errors import InvalidRequest
-from specdec.sampling import SeededRandomness, SparseDist, propose_tokens
-from specdec.worker_core import WorkerCore
+from specdec.sampling import SeededRandomness, SparseDist, draft_steps
+from specdec.worker_core import CallSteps, ForwardStep, WorkerCore
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,11 @@ class DraftEngine:
         self.max_q_entries = max_q_entries
 
     def propose(self, params: ProposeParams) -> ProposeResult:
+        """One call alone (no scheduler): each step its own forward."""
+        return self.core.run_alone(self.propose_steps(params))
+
+    def propose_steps(self, params: ProposeParams) -> CallSteps:
+        """The call as forward steps: the commit's catch-up forward, then one per drafted token."""
         if not 0 <= params.k <= MAX_K:
             raise InvalidRequest(f"k must be in [0, {MAX_K}], got {params.k}")
         if not 0.0 <= params.min_draft_prob <= 1.0:
@@ -46,23 +51,30 @@ class DraftEngine:
         result = ProposeResult()
         stats = result.stats
         with self.core.timed() as timer:
-            session, logits = self.core.begin(params.session_id, params.commit, (), stats)
-            # The commit's forward is catch-up (prefill, or the tokens the target just produced);
-            # timed apart so the orchestrator sees the per-token drafting cost on its own.
-            stats.catchup_ms = timer.elapsed_ms()
-            position = len(session.tokens)
-            # The context may not have room for k more tokens.
-            k = max(0, min(params.k, self.core.max_context - position))
-
-            def feed(token: int):
-                stats.fed_tokens += 1
-                return self.core.feed(session, [token], logits_rows=1)[-1]
-
-            draft = propose_tokens(logits[-1], feed, k, params.sampling, position, self.max_q_entries,
-                                   params.min_draft_prob, SeededRandomness(params.sampling.seed))
-            result.tokens, result.q, result.token_probs = draft.tokens, draft.q, draft.token_probs
-            result.confidences = draft.confidences
-            stats.draft_steps = draft.steps
-            result.cache_len = len(session.tokens)
+            session, logits = yield from self.core.begin_steps(params.session_id, params.commit, (), stats)
+            try:
+                # The commit's forward is catch-up (prefill, or the tokens the target just produced);
+                # timed apart so the orchestrator sees the per-token drafting cost on its own.
+                stats.catchup_ms = timer.elapsed_ms()
+                position = len(session.tokens)
+                # The context may not have room for k more tokens.
+                k = max(0, min(params.k, self.core.max_context - position))
+                drafting = draft_steps(logits[-1], k, params.sampling, position, self.max_q_entries,
+                                       params.min_draft_prob, SeededRandomness(params.sampling.seed))
+                # Each drafted token becomes a one-token forward step of this session.
+                try:
+                    token = next(drafting)
+                    while True:
+                        stats.fed_tokens += 1
+                        step_logits = yield ForwardStep(session, [token], 1)
+                        token = drafting.send(step_logits[-1])
+                except StopIteration as stop:
+                    draft = stop.value
+                result.tokens, result.q, result.token_probs = draft.tokens, draft.q, draft.token_probs
+                result.confidences = draft.confidences
+                stats.draft_steps = draft.steps
+                result.cache_len = len(session.tokens)
+            finally:
+                self.core.release(params.session_id)
         stats.compute_ms = timer.ms
         return result

@@ -6,6 +6,7 @@ import grpc
 from draft_worker.engine import DraftEngine, ProposeParams
 from specdec import grpc_util
 from specdec.contract import Commit, SamplingConfig
+from specdec.scheduler import BatchLimits
 from specdec.v1 import worker_pb2, worker_pb2_grpc
 from specdec.worker_core import WorkerCore
 from specdec.worker_server import WorkerServicerBase
@@ -14,8 +15,8 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 
 
 class DraftServicer(WorkerServicerBase, worker_pb2_grpc.DraftWorkerServicer):
-    def __init__(self, core: WorkerCore, max_q_entries: int = 256) -> None:
-        super().__init__(core)
+    def __init__(self, core: WorkerCore, max_q_entries: int = 256, limits: BatchLimits = BatchLimits()) -> None:
+        super().__init__(core, limits)
         self.engine = DraftEngine(core, max_q_entries)
 
     async def Propose(self, request: worker_pb2.ProposeRequest,
@@ -23,7 +24,7 @@ class DraftServicer(WorkerServicerBase, worker_pb2_grpc.DraftWorkerServicer):
         params = ProposeParams(session_id=request.session_id, commit=Commit.from_pb(request.commit),
                                k=request.k, sampling=SamplingConfig.from_pb(request.sampling),
                                min_draft_prob=request.min_draft_prob)
-        result = await self.run_engine(context, lambda: self.engine.propose(params))
+        result = await self.run_call(context, params.session_id, lambda: self.engine.propose_steps(params))
         return worker_pb2.ProposeResponse(tokens=result.tokens, q=[q.to_pb() for q in result.q],
                                           token_probs=result.token_probs, confidences=result.confidences,
                                           cache_len=result.cache_len,

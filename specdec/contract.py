@@ -104,16 +104,27 @@ class CallStats:
     # after it, so the per-token drafting cost is measured apart from catch-up.
     catchup_ms: float = 0.0
     draft_steps: int = 0
+    # Cross-session batching (see WorkerTiming in common.proto).
+    queue_ms: float = 0.0
+    batch_sessions: float = 0.0
+    batch_rows: float = 0.0
+    worker_utilisation: float = 0.0
+    worker_waiting: int = 0
 
     def to_pb(self) -> common_pb2.WorkerTiming:
         return common_pb2.WorkerTiming(compute_ms=self.compute_ms, fed_tokens=self.fed_tokens,
                                        prefilled_tokens=self.prefilled_tokens, catchup_ms=self.catchup_ms,
-                                       draft_steps=self.draft_steps)
+                                       draft_steps=self.draft_steps, queue_ms=self.queue_ms,
+                                       batch_sessions=self.batch_sessions, batch_rows=self.batch_rows,
+                                       worker_utilisation=self.worker_utilisation,
+                                       worker_waiting=self.worker_waiting)
 
     @classmethod
     def from_pb(cls, msg: common_pb2.WorkerTiming) -> "CallStats":
         return cls(compute_ms=msg.compute_ms, fed_tokens=msg.fed_tokens, prefilled_tokens=msg.prefilled_tokens,
-                   catchup_ms=msg.catchup_ms, draft_steps=msg.draft_steps)
+                   catchup_ms=msg.catchup_ms, draft_steps=msg.draft_steps, queue_ms=msg.queue_ms,
+                   batch_sessions=msg.batch_sessions, batch_rows=msg.batch_rows,
+                   worker_utilisation=msg.worker_utilisation, worker_waiting=msg.worker_waiting)
 
 
 @dataclass(frozen=True)

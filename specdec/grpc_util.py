@@ -41,6 +41,9 @@ def status_code(error: SpecdecError) -> grpc.StatusCode:
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """Abort the RPC with the status that fits the error; INTERNAL only for bugs."""
     if isinstance(exc, SpecdecError):
+        retry_after_ms = getattr(exc, "retry_after_ms", None)
+        if retry_after_ms is not None:  # RESOURCE_EXHAUSTED from a full queue: when to come back
+            context.set_trailing_metadata((("retry-after-ms", str(int(retry_after_ms))),))
         await context.abort(status_code(exc), str(exc))
     log.exception("internal error", exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")

@@ -13,8 +13,9 @@ log = logging.getLogger(__name__)
 class WorkerCollector:
     """Reads a WorkerCore's state at scrape time: nothing to maintain on the hot path."""
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: Any, scheduler: Any = None) -> None:
         self.core = core
+        self.scheduler = scheduler
 
     def collect(self) -> Any:
         core, role = self.core, self.core.role
@@ -22,6 +23,12 @@ class WorkerCollector:
         gauges = [("specdec_worker_sessions", "Sessions holding a KV cache", len(core.store)),
                   ("specdec_worker_cache_bytes", "Bytes held by KV caches", core.store.total_bytes()),
                   ("specdec_worker_cache_budget_bytes", "KV cache byte budget", core.store.max_bytes)]
+        if self.scheduler is not None:
+            load = self.scheduler.snapshot()
+            gauges += [("specdec_worker_utilisation", "Busy fraction of the model over the last seconds", load.utilisation),
+                       ("specdec_worker_active_calls", "Calls in the batch", load.active),
+                       ("specdec_worker_waiting_calls", "Calls waiting for a batch slot", load.waiting),
+                       ("specdec_worker_batch_sessions", "Sessions per forward (recent mean)", load.mean_batch)]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([role], value)
@@ -38,15 +45,22 @@ class WorkerCollector:
                     ("specdec_worker_cache_mismatches", "Calls whose prefix did not match (FAILED_PRECONDITION)",
                      core.counters.cache_mismatches),
                     ("specdec_worker_evictions", "Sessions evicted (LRU, TTL, budget)", core.store.evictions)]
+        if self.scheduler is not None:
+            counters += [("specdec_worker_forwards", "Forward passes (each may batch several calls)", self.scheduler.forwards),
+                         ("specdec_worker_batched_calls", "Call steps run, summed over forwards", self.scheduler.batched_sessions),
+                         ("specdec_worker_rejected_calls", "Calls refused with RESOURCE_EXHAUSTED (queue full)",
+                          self.scheduler.rejected),
+                         ("specdec_worker_expired_calls", "Calls dropped at their deadline before finishing",
+                          self.scheduler.expired)]
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([role], value)
             yield c
 
 
-def worker_registry(core: Any) -> CollectorRegistry:
+def worker_registry(core: Any, scheduler: Any = None) -> CollectorRegistry:
     registry = CollectorRegistry()
-    registry.register(WorkerCollector(core))
+    registry.register(WorkerCollector(core, scheduler))
     return registry
 
 

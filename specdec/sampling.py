@@ -14,19 +14,24 @@ each: the rule is exact to float64 rounding, not merely to float32.
 Device-true: every function here runs on the device its logits are on (CPU or CUDA). What crosses to
 the host is small and bounded: a sparse q (at most max_entries per position), k + 1 argmax ids, k
 acceptance probabilities and a sampled index, never a [rows, vocab] tensor.
+
+Over 300 lines: drafting, warping and verification share the Randomness streams and the float64
+normalisation above; split apart, the lossless argument would span modules.
 """
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from specdec.contract import SamplingConfig
 from specdec.v1 import worker_pb2
+
+R = TypeVar("R")
 
 # Streams of uniforms; each decision at a position uses its own stream.
 STREAM_DRAFT = 1
@@ -180,14 +185,14 @@ def draft_confidence(logits: torch.Tensor, cfg: SamplingConfig,
     return float(q.probs.max()), q, -1
 
 
-def propose_tokens(first_logits: torch.Tensor, feed: Callable[[int], torch.Tensor], k: int,
-                   cfg: SamplingConfig, first_position: int, max_entries: int, min_draft_prob: float,
-                   rng: Randomness) -> Draft:
-    """Draft up to k tokens starting at absolute position first_position.
+def draft_steps(first_logits: torch.Tensor, k: int, cfg: SamplingConfig, first_position: int,
+                max_entries: int, min_draft_prob: float, rng: Randomness) -> Generator[int, torch.Tensor, Draft]:
+    """Draft up to k tokens starting at absolute position first_position, as a generator.
 
-    `feed(token)` runs one drafted token through the draft model and returns the logits that predict
-    the next position. The last drafted token is not fed: the target verifies it, and the next
-    commit appends whatever follows.
+    Yields each drafted token that must run through the draft model and receives the logits that
+    predict the next position (the caller batches that forward with other sessions' or runs it
+    alone). The last drafted token is not fed: the target verifies it, and the next commit appends
+    whatever follows. Returns the Draft.
 
     Early stop (min_draft_prob > 0): drafting stops BEFORE a position whose draft distribution has
     max probability below the threshold. The decision depends only on the already drafted prefix,
@@ -212,9 +217,26 @@ def propose_tokens(first_logits: torch.Tensor, feed: Callable[[int], torch.Tenso
         draft.tokens.append(token)
         draft.token_probs.append(prob)
         if i < k - 1:
-            logits = feed(token)
+            logits = yield token
             draft.steps += 1
     return draft
+
+
+def drive(steps: Generator[Any, Any, R], respond: Callable[[Any], Any]) -> R:
+    """Run a step generator to completion, answering each yielded request with respond(request)."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(respond(request))
+    except StopIteration as stop:
+        return stop.value
+
+
+def propose_tokens(first_logits: torch.Tensor, feed: Callable[[int], torch.Tensor], k: int,
+                   cfg: SamplingConfig, first_position: int, max_entries: int, min_draft_prob: float,
+                   rng: Randomness) -> Draft:
+    """draft_steps with `feed(token)` running each drafted token through the draft model."""
+    return drive(draft_steps(first_logits, k, cfg, first_position, max_entries, min_draft_prob, rng), feed)
 
 
 # ----------------------------------------------------------------------------- verification

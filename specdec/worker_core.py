@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,20 @@ class WorkerSession:
 
     def nbytes(self) -> int:
         return cache_nbytes(self.cache)
+
+
+@dataclass
+class ForwardStep:
+    """One forward an engine call needs: feed `tokens` on top of the session's cache and get the
+    float32 logits of the last `logits_rows` of them (0: all). The batch scheduler runs the steps of
+    several calls as one forward (WorkerCore.feed_many)."""
+    session: WorkerSession
+    tokens: list[int]
+    logits_rows: int = 0
+
+
+# What an engine call is: a generator of forward steps that returns the call's result.
+CallSteps = Generator[ForwardStep, torch.Tensor, Any]
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,14 @@ class WorkerCore:
         # replaced by the measured value after the first forward.
         self._bytes_per_token = estimate_kv_bytes_per_token(loaded.model)
         self._measured_bytes = False
+        # Several sessions per forward where the architecture allows (specdec.ragged); else each
+        # step of a batch runs as its own forward.
+        from specdec.ragged import RaggedForward, unsupported_reason
+        self.ragged_unsupported = unsupported_reason(loaded.model)
+        self._ragged = None if self.ragged_unsupported else RaggedForward(loaded.model)
+        if self.ragged_unsupported:
+            log.warning("%s worker: no cross-session batching (%s); batched calls run one forward each",
+                        role, self.ragged_unsupported)
 
     # ------------------------------------------------------------------ validation
     def check_tokens(self, tokens: Sequence[int], what: str) -> None:
@@ -114,7 +136,7 @@ class WorkerCore:
     # ------------------------------------------------------------------ compute
     @torch.inference_mode()
     def feed(self, session: WorkerSession, tokens: Sequence[int], logits_rows: int = 0) -> torch.Tensor:
-        """Run tokens through the model on top of the session cache.
+        """Run tokens through the model on top of the session cache, alone.
 
         Returns float32 logits of the last `logits_rows` fed positions (0: all), [rows, V], on the
         model's device: warping, drawing and the verify rule run where the logits are, and only
@@ -126,17 +148,39 @@ class WorkerCore:
             out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
                              logits_to_keep=logits_rows)
         except BaseException:
-            # Some layers may have appended to the cache before the failure: nothing in it can be
-            # trusted. An empty session makes the next commit fail its check and re-prefill.
-            session.cache = new_cache(self.model)
-            session.tokens.clear()
+            self._discard(session)
             raise
+        self._fed(session, tokens)
+        return out.logits[0].float()
+
+    def feed_many(self, steps: Sequence[ForwardStep]) -> list[torch.Tensor]:
+        """Run several sessions' steps as one ragged forward (one step, or no ragged support: alone).
+        Each session appears at most once (the scheduler runs one call per session at a time)."""
+        if len(steps) == 1 or self._ragged is None:
+            return [self.feed(s.session, s.tokens, s.logits_rows) for s in steps]
+        from specdec.ragged import RaggedItem
+        try:
+            outputs = self._ragged([RaggedItem(s.session.cache, s.tokens, s.logits_rows) for s in steps])
+        except BaseException:
+            for step in steps:
+                self._discard(step.session)
+            raise
+        for step in steps:
+            self._fed(step.session, step.tokens)
+        return outputs
+
+    def _discard(self, session: WorkerSession) -> None:
+        # Some layers may have appended to the cache before a failure: nothing in it can be trusted.
+        # An empty session makes the next commit fail its check and re-prefill.
+        session.cache = new_cache(self.model)
+        session.tokens.clear()
+
+    def _fed(self, session: WorkerSession, tokens: Sequence[int]) -> None:
         session.tokens.extend(tokens)
         self.counters.fed_tokens += len(tokens)
         if not self._measured_bytes and session.tokens and session.nbytes():
             self._bytes_per_token = max(1, session.nbytes() // len(session.tokens))
             self._measured_bytes = True
-        return out.logits[0].float()
 
     def truncate(self, session: WorkerSession, length: int) -> None:
         if length < len(session.tokens):
@@ -146,13 +190,16 @@ class WorkerCore:
                 crop_cache(session.cache, length)
             del session.tokens[length:]
 
-    def begin(self, session_id: str, commit: Commit, extra_tokens: Sequence[int],
-              stats: CallStats) -> tuple[WorkerSession, torch.Tensor]:
-        """Apply a commit, then feed `extra_tokens` after it in the same forward pass.
+    def begin_steps(self, session_id: str, commit: Commit, extra_tokens: Sequence[int],
+                    stats: CallStats) -> Generator[ForwardStep, torch.Tensor, tuple[WorkerSession, torch.Tensor]]:
+        """Apply a commit, then feed `extra_tokens` after it in the same forward step.
 
         Returns the session and the logits of the last len(extra_tokens) + 1 fed positions (those
         that predict the first extra token onwards), on the model's device. At least one committed
         token is always fed, because the logits of the last committed token predict the next one.
+
+        The session stays pinned (never evicted) until the caller calls release(session_id), since
+        other calls' steps run between this call's steps.
         """
         self.check_tokens(commit.append_tokens, "commit.append_tokens")
         self.check_tokens(extra_tokens, "tokens")
@@ -173,11 +220,21 @@ class WorkerCore:
             self.truncate(session, keep)
             stats.prefilled_tokens = len(commit.append_tokens)
             self.counters.prefilled_tokens += stats.prefilled_tokens
-            logits = self.feed(session, feed_tokens + list(extra_tokens), logits_rows=len(extra_tokens) + 1)
-        finally:
+            logits = yield ForwardStep(session, feed_tokens + list(extra_tokens), len(extra_tokens) + 1)
+        except BaseException:
             self.store.unpin(session_id)
+            raise
         stats.fed_tokens += len(feed_tokens) + len(extra_tokens)
         return session, logits
+
+    def release(self, session_id: str) -> None:
+        """End of the call that begin_steps pinned the session for."""
+        self.store.unpin(session_id)
+
+    def run_alone(self, steps: CallSteps) -> Any:
+        """Run a call's steps, each as its own forward (no scheduler: tools, tests)."""
+        from specdec.sampling import drive
+        return drive(steps, lambda step: self.feed(step.session, step.tokens, step.logits_rows))
 
     def _reserve(self, session_id: str, total_tokens: int) -> None:
         """Make room in the byte budget for this session growing to total_tokens (evicting LRU others)."""

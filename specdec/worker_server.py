@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Generator
 from typing import Any, TypeVar
 
 import grpc
@@ -14,45 +13,70 @@ import grpc
 from specdec import grpc_util
 from specdec.errors import DeadlineExceeded
 from specdec.v1 import common_pb2
-from specdec.contract import validate_session_id
-from specdec.worker_core import StoreLimits, WorkerCore
+from specdec.contract import CallStats, validate_session_id
+from specdec.scheduler import BatchLimits, BatchScheduler
+from specdec.worker_core import ForwardStep, StoreLimits, WorkerCore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def _without_forwards(fn: Callable[[], T]) -> Generator[ForwardStep, Any, T]:
+    """A call with no forward steps (EndSession), still run on the model thread in its turn."""
+    return fn()
+    yield  # noqa: unreachable - makes this a generator
+
+
 class WorkerServicerBase:
-    """Runs engine calls on a single model thread (one model, no concurrent forwards) and maps errors."""
+    """Hands engine calls to the worker's batch scheduler (one model thread, calls of several
+    sessions batched per forward) and maps errors."""
 
-    def __init__(self, core: WorkerCore) -> None:
+    def __init__(self, core: WorkerCore, limits: BatchLimits = BatchLimits()) -> None:
         self.core = core
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{core.role}-model")
+        self.scheduler = BatchScheduler(core.feed_many, limits, name=f"{core.role}-model")
 
-    async def run_engine(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
+    async def run_call(self, context: grpc.aio.ServicerContext, session_id: str,
+                       make_steps: Callable[[], Generator[ForwardStep, Any, T]]) -> T:
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             raise DeadlineExceeded("deadline expired before the worker started the call")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        future, load = self.scheduler.submit(session_id, make_steps, remaining)
+        result = await asyncio.wrap_future(future)  # cancelling the RPC cancels the queued call
+        stats = getattr(result, "stats", None)
+        if isinstance(stats, CallStats):
+            snapshot = self.scheduler.snapshot()
+            stats.queue_ms = load.queue_ms
+            stats.batch_sessions = load.mean_batch
+            stats.batch_rows = load.mean_rows
+            stats.worker_utilisation = snapshot.utilisation
+            stats.worker_waiting = snapshot.waiting
+        return result
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:
         def end() -> bool:
             validate_session_id(request.session_id)
             return self.core.end_session(request.session_id)
-        return common_pb2.EndSessionResponse(existed=await self.run_engine(context, end))
+        existed = await self.run_call(context, request.session_id, lambda: _without_forwards(end))
+        return common_pb2.EndSessionResponse(existed=existed)
 
     async def GetInfo(self, request: common_pb2.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.WorkerInfo:
         loaded = self.core.loaded
+        snapshot = self.scheduler.snapshot()
         return common_pb2.WorkerInfo(
             role=self.core.role, model_ref=loaded.ref, vocab_size=loaded.vocab_size,
             max_context=loaded.max_context, eos_token_ids=loaded.eos_token_ids,
             tokenizer_fingerprint=loaded.tokenizer.fingerprint(), sessions=len(self.core.store),
             cache_bytes=self.core.store.total_bytes(), cache_budget_bytes=self.core.store.max_bytes,
-            forward_costs=self.core.cost_curve.to_pb(), gemm_path=self.core.gemm_path)
+            forward_costs=self.core.cost_curve.to_pb(), gemm_path=self.core.gemm_path,
+            max_batch=self.scheduler.limits.max_batch,
+            batching=("one forward per call: " + self.core.ragged_unsupported) if self.core.ragged_unsupported
+            else "ragged", utilisation=snapshot.utilisation, active_calls=snapshot.active,
+            waiting_calls=snapshot.waiting)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.scheduler.close()
 
 
 def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None:
@@ -73,6 +97,14 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
                              "(0 skips both; the k policy then starts from generic defaults)")
     parser.add_argument("--max-k", type=int, default=8,
                         help="largest k to calibrate for (the orchestrator's max_k)")
+    parser.add_argument("--max-batch", type=int, default=8,
+                        help="calls (sessions) sharing one forward; 1 runs one call at a time, the exact mode "
+                             "(each stream's numerics then do not depend on the others)")
+    parser.add_argument("--max-batch-tokens", type=int, default=256, help="token rows per batched forward")
+    parser.add_argument("--batch-window-ms", type=float, default=2.0,
+                        help="wait this long for calls that are due to join a forward (never when none is due)")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="calls waiting for a batch slot; more are refused with RESOURCE_EXHAUSTED")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     parser.add_argument("--drain-delay-s", type=float, default=0.0,
                         help="on SIGTERM, report NOT_SERVING this long before refusing new calls")
@@ -83,13 +115,18 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--log-level", default="INFO")
 
 
+def batch_limits(args: argparse.Namespace) -> BatchLimits:
+    return BatchLimits(max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
+                       window_ms=args.batch_window_ms, max_queue=args.max_queue)
+
+
 def store_limits(args: argparse.Namespace) -> StoreLimits:
     return StoreLimits(max_bytes=int(args.cache_budget_mb * 1024 * 1024), ttl_s=args.session_ttl_s,
                        max_sessions=args.max_sessions)
 
 
 async def serve_worker(args: argparse.Namespace, role: str,
-                       make_servicer: Callable[[WorkerCore], WorkerServicerBase],
+                       make_servicer: Callable[[WorkerCore, BatchLimits], WorkerServicerBase],
                        register: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
     from specdec.models import load_model, resolve_device, resolve_dtype, set_torch_threads
     set_torch_threads(args.threads)
@@ -100,7 +137,7 @@ async def serve_worker(args: argparse.Namespace, role: str,
     core = WorkerCore(loaded, role, store_limits(args))
     from specdec.calibration import calibrate
     await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s)
-    servicer = make_servicer(core)
+    servicer = make_servicer(core, batch_limits(args))
     credentials = None
     if args.tls_cert and args.tls_key:
         from specdec import security
@@ -109,7 +146,7 @@ async def serve_worker(args: argparse.Namespace, role: str,
                                           host=args.host, port=args.port, credentials=credentials)
     if args.metrics_port is not None:
         from specdec.metrics import serve_metrics, worker_registry
-        serve_metrics(args.metrics_port, worker_registry(core), args.host)
+        serve_metrics(args.metrics_port, worker_registry(core, servicer.scheduler), args.host)
     try:
         await grpc_util.run_until_signalled(handle, args.grace_s, args.port_file, drain_delay_s=args.drain_delay_s)
     finally:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from specdec.contract import MAX_K, CallStats, Commit, SamplingConfig
 from specdec.errors import InvalidRequest
 from specdec.sampling import SparseDist, verify_greedy, verify_sampled
-from specdec.worker_core import WorkerCore
+from specdec.worker_core import CallSteps, WorkerCore
 
 
 @dataclass(frozen=True)
@@ -57,18 +57,26 @@ class TargetEngine:
                 raise InvalidRequest(f"draft token {token} at position {i} has zero probability under its q")
 
     def verify(self, params: VerifyParams) -> VerifyResult:
+        """One call alone (no scheduler)."""
+        return self.core.run_alone(self.verify_steps(params))
+
+    def verify_steps(self, params: VerifyParams) -> CallSteps:
+        """The call as one forward step over the commit and the drafts."""
         self._validate(params)
         stats = CallStats()
         drafts = list(params.draft_tokens)
         with self.core.timed() as timer:
-            session, logits = self.core.begin(params.session_id, params.commit, drafts, stats)
-            rows = logits[-(len(drafts) + 1):]
-            first_position = len(session.tokens) - len(drafts)  # absolute position of drafts[0]
-            if params.sampling.greedy:
-                outcome = verify_greedy(rows, drafts)
-            else:
-                outcome = verify_sampled(rows, drafts, list(params.q), params.sampling, first_position)
-            # Drop the rejected drafts' KV; the correction/bonus token is fed next round.
-            self.core.truncate(session, first_position + outcome.accepted_len)
+            session, logits = yield from self.core.begin_steps(params.session_id, params.commit, drafts, stats)
+            try:
+                rows = logits[-(len(drafts) + 1):]
+                first_position = len(session.tokens) - len(drafts)  # absolute position of drafts[0]
+                if params.sampling.greedy:
+                    outcome = verify_greedy(rows, drafts)
+                else:
+                    outcome = verify_sampled(rows, drafts, list(params.q), params.sampling, first_position)
+                # Drop the rejected drafts' KV; the correction/bonus token is fed next round.
+                self.core.truncate(session, first_position + outcome.accepted_len)
+            finally:
+                self.core.release(params.session_id)
         stats.compute_ms = timer.ms
         return VerifyResult(outcome.accepted_len, outcome.next_token, len(session.tokens), stats)

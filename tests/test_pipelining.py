@@ -97,11 +97,11 @@ async def test_a_failing_predraft_costs_nothing_but_time() -> None:
     try:
         reference = reference_greedy(PROMPT, 30)
         for call_number in (2, 3, 5):
-            fail_on_call(stack.draft.engine, "propose", call_number,
+            fail_on_call(stack.draft.engine, "propose_steps", call_number,
                          lambda: SessionNotFound("injected: the draft restarted"))
             reply = await _generate(stack, True, max_new_tokens=30)
             assert list(reply.token_ids) == reference
-        fail_on_call(stack.draft.engine, "propose", 3, lambda: RuntimeError("injected bug"))
+        fail_on_call(stack.draft.engine, "propose_steps", 3, lambda: RuntimeError("injected bug"))
         reply = await _generate(stack, True, max_new_tokens=30)
         assert list(reply.token_ids) == reference
     finally:

@@ -68,7 +68,7 @@ async def test_cancelled_turn_leaves_the_session_as_before(disagreeing_stack) ->
     assert [list(first.token_ids)] + rest == reference
 
 
-@pytest.mark.parametrize("worker,method,call_number", [("target", "verify", 4), ("draft", "propose", 4)])
+@pytest.mark.parametrize("worker,method,call_number", [("target", "verify_steps", 4), ("draft", "propose_steps", 4)])
 async def test_worker_error_mid_generation_then_retry_equals_a_session_that_never_failed(
         disagreeing_stack, worker: str, method: str, call_number: int) -> None:
     stack = disagreeing_stack
@@ -101,7 +101,7 @@ async def test_failed_chat_turn_keeps_the_history(stack) -> None:
     await stack.generate(messages=[("user", "hello")], max_new_tokens=8, session_id="chat")
     session = stack.orch.engine.sessions.get("chat")
     messages, tokens = [dict(m) for m in session.messages], list(session.tokens)
-    fail_on_call(stack.target.engine, "verify", 3, lambda: RuntimeError("injected bug"))
+    fail_on_call(stack.target.engine, "verify_steps", 3, lambda: RuntimeError("injected bug"))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stack.generate(messages=[("user", "again")], max_new_tokens=8, session_id="chat")
     assert err.value.code() == grpc.StatusCode.INTERNAL
@@ -109,7 +109,7 @@ async def test_failed_chat_turn_keeps_the_history(stack) -> None:
 
 
 async def test_draft_invalid_request_runs_the_round_target_only(stack) -> None:
-    fail_on_call(stack.draft.engine, "propose", 2, lambda: InvalidRequest("injected: cannot serve"))
+    fail_on_call(stack.draft.engine, "propose_steps", 2, lambda: InvalidRequest("injected: cannot serve"))
     reply = await stack.generate(prompt_ids=TURNS[0], max_new_tokens=NEW, speculation=SPEC)
     assert list(reply.token_ids) == reference_greedy(TURNS[0], NEW)
     assert reply.stats.fallback_rounds == 1 and reply.stats.draft_tokens > 0

@@ -29,18 +29,28 @@ class CacheCommit(_message.Message):
     def __init__(self, cache_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerTiming(_message.Message):
-    __slots__ = ("compute_ms", "fed_tokens", "prefilled_tokens", "catchup_ms", "draft_steps")
+    __slots__ = ("compute_ms", "fed_tokens", "prefilled_tokens", "catchup_ms", "draft_steps", "queue_ms", "batch_sessions", "batch_rows", "worker_utilisation", "worker_waiting")
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     FED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CATCHUP_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_UTILISATION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_WAITING_FIELD_NUMBER: _ClassVar[int]
     compute_ms: float
     fed_tokens: int
     prefilled_tokens: int
     catchup_ms: float
     draft_steps: int
-    def __init__(self, compute_ms: _Optional[float] = ..., fed_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., catchup_ms: _Optional[float] = ..., draft_steps: _Optional[int] = ...) -> None: ...
+    queue_ms: float
+    batch_sessions: float
+    batch_rows: float
+    worker_utilisation: float
+    worker_waiting: int
+    def __init__(self, compute_ms: _Optional[float] = ..., fed_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., catchup_ms: _Optional[float] = ..., draft_steps: _Optional[int] = ..., queue_ms: _Optional[float] = ..., batch_sessions: _Optional[float] = ..., batch_rows: _Optional[float] = ..., worker_utilisation: _Optional[float] = ..., worker_waiting: _Optional[int] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -59,7 +69,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "model_ref", "vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "sessions", "cache_bytes", "cache_budget_bytes", "forward_costs", "gemm_path")
+    __slots__ = ("role", "model_ref", "vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "sessions", "cache_bytes", "cache_budget_bytes", "forward_costs", "gemm_path", "max_batch", "batching", "utilisation", "active_calls", "waiting_calls")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_REF_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +81,11 @@ class WorkerInfo(_message.Message):
     CACHE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     FORWARD_COSTS_FIELD_NUMBER: _ClassVar[int]
     GEMM_PATH_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    BATCHING_FIELD_NUMBER: _ClassVar[int]
+    UTILISATION_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_CALLS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_CALLS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model_ref: str
     vocab_size: int
@@ -82,7 +97,12 @@ class WorkerInfo(_message.Message):
     cache_budget_bytes: int
     forward_costs: _containers.RepeatedCompositeFieldContainer[ForwardCost]
     gemm_path: str
-    def __init__(self, role: _Optional[str] = ..., model_ref: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., forward_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., gemm_path: _Optional[str] = ...) -> None: ...
+    max_batch: int
+    batching: str
+    utilisation: float
+    active_calls: int
+    waiting_calls: int
+    def __init__(self, role: _Optional[str] = ..., model_ref: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., forward_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., gemm_path: _Optional[str] = ..., max_batch: _Optional[int] = ..., batching: _Optional[str] = ..., utilisation: _Optional[float] = ..., active_calls: _Optional[int] = ..., waiting_calls: _Optional[int] = ...) -> None: ...
 
 class ForwardCost(_message.Message):
     __slots__ = ("tokens", "context", "ms")

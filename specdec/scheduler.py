@@ -1,0 +1,342 @@
+"""Per-worker batch scheduler: many calls, one model thread, one forward per step (no grpc, no torch).
+
+Every worker call is a generator of forward steps (see specdec.worker_core.ForwardStep): it yields
+the tokens it needs run through the model, receives their logits, and returns its result. The
+scheduler owns the model thread. Each iteration it admits waiting calls, collects the pending step of
+every active call and runs them as ONE forward (`forward(steps) -> outputs`), then resumes each call
+with its output. A call with several steps (a draft proposing k tokens) stays in the batch step by
+step while other calls join and leave: continuous batching.
+
+Rules:
+- Bounded: at most `max_batch` calls active, at most `max_queue` waiting; past that, submit() raises
+  QueueFull (RESOURCE_EXHAUSTED) with a retry hint from the measured step time.
+- Fair: calls are admitted first come first served, and inside the active set the step that has
+  waited longest goes first; a step left out by the token cap is the oldest next time, so none starves.
+  A single step over `max_batch_tokens` (a long prefill) runs alone when its turn comes.
+- One call per session at a time: a second call on a session waits until the first ends (the cache
+  is the session's state), in arrival order.
+- Deadlines and cancellation are checked before admission and before every step: an expired call
+  stops without spending a forward, and its generator is closed so its cleanup runs.
+- A short window (`window_ms`) lets calls that are due (sessions that just finished a call and
+  usually come back about now) join the next forward, so that streams in step share forwards instead
+  of alternating. It is never waited when nobody is expected, so a single stream pays nothing.
+
+Over 300 lines: admission, fairness, deadlines and the load figures all read the same active and
+waiting sets under one lock; split apart, each would need its own view of them.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.errors import CapacityExceeded, DeadlineExceeded, WorkerUnavailable
+
+log = logging.getLogger(__name__)
+
+Steps = Generator[Any, Any, Any]
+
+
+class QueueFull(CapacityExceeded):
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_batch: int = 8            # calls (sessions) sharing one forward; 1 = one call at a time
+    max_batch_tokens: int = 256   # token rows per forward
+    window_ms: float = 2.0        # wait for due calls to join a forward
+    max_queue: int = 64           # calls waiting for a slot; more get RESOURCE_EXHAUSTED
+
+    def validate(self) -> None:
+        if self.max_batch < 1 or self.max_batch_tokens < 1 or self.max_queue < 0 or self.window_ms < 0:
+            raise ValueError(f"invalid batch limits {self}")
+
+
+@dataclass
+class CallLoad:
+    """What the batching did to one call (reported in its WorkerTiming)."""
+    queue_ms: float = 0.0
+    forwards: int = 0
+    batch_sessions: int = 0   # summed over the call's forwards
+    batch_rows: int = 0       # summed over the call's forwards
+
+    @property
+    def mean_batch(self) -> float:
+        return self.batch_sessions / self.forwards if self.forwards else 1.0
+
+    @property
+    def mean_rows(self) -> float:
+        return self.batch_rows / self.forwards if self.forwards else 0.0
+
+
+@dataclass
+class LoadSnapshot:
+    """The worker's load right now: the k policy lowers k as it grows."""
+    utilisation: float = 0.0      # busy fraction of the model thread over the last few seconds
+    active: int = 0
+    waiting: int = 0
+    mean_batch: float = 0.0       # sessions per forward, recent mean
+
+
+@dataclass
+class _Job:
+    session_id: str
+    make_steps: Callable[[], Steps]
+    deadline: float | None
+    submitted: float
+    future: Future = field(default_factory=Future)
+    load: CallLoad = field(default_factory=CallLoad)
+    steps: Steps | None = None
+    pending: Any = None
+    pending_since: float = 0.0
+
+
+class BatchScheduler:
+    def __init__(self, forward: Callable[[list[Any]], Sequence[Any]], limits: BatchLimits = BatchLimits(),
+                 name: str = "model", clock: Callable[[], float] = time.monotonic,
+                 utilisation_window_s: float = 5.0) -> None:
+        limits.validate()
+        self.limits = limits
+        self._forward = forward
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self._active: list[_Job] = []
+        self._closed = False
+        # Sessions whose last call ended recently -> (end time, EWMA of their gap until the next call).
+        self._returns: dict[str, tuple[float, float]] = {}
+        self._busy: collections.deque[tuple[float, float]] = collections.deque()
+        self._window_s = utilisation_window_s
+        self._started = clock()
+        self._step_s = 0.0  # EWMA of one forward's duration (retry hints)
+        self._batch_ewma = 0.0
+        # Counters for metrics.
+        self.forwards = 0
+        self.batched_sessions = 0
+        self.rejected = 0
+        self.expired = 0
+        self._thread = threading.Thread(target=self._run, name=f"{name}-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ API (any thread)
+    def submit(self, session_id: str, make_steps: Callable[[], Steps],
+               timeout_s: float | None = None) -> tuple[Future, CallLoad]:
+        """Queue a call; make_steps() is called on the model thread when the call is admitted. The
+        CallLoad fills in as the call runs (read it once the future is done)."""
+        now = self._clock()
+        with self._cond:
+            if self._closed:
+                raise WorkerUnavailable("worker is shutting down")
+            if len(self._waiting) >= self.limits.max_queue:
+                self.rejected += 1
+                retry_ms = self._retry_after_ms()
+                raise QueueFull(f"worker busy: {len(self._active)} calls in the batch and {len(self._waiting)} "
+                                f"waiting (max_queue {self.limits.max_queue}); retry after ~{retry_ms} ms",
+                                retry_ms)
+            job = _Job(session_id, make_steps, None if timeout_s is None else now + timeout_s, now)
+            self._waiting.append(job)
+            self._cond.notify_all()
+        return job.future, job.load
+
+    def snapshot(self) -> LoadSnapshot:
+        with self._cond:
+            return LoadSnapshot(self._utilisation(self._clock()), len(self._active), len(self._waiting),
+                                self._batch_ewma)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------------ model thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._waiting and not self._active:
+                    self._cond.wait()
+                if self._closed:
+                    leftover = list(self._waiting) + self._active
+                    self._waiting.clear()
+                    self._active.clear()
+                    break
+                self._wait_for_due_calls()
+                admitted = self._admit()
+            for job in admitted:
+                self._start(job)
+            self._drop_expired()
+            batch = self._select()
+            if batch:
+                self._step(batch)
+        for job in leftover:
+            self._close_steps(job)
+            self._fail(job, WorkerUnavailable("worker is shutting down"))
+
+    def _wait_for_due_calls(self) -> None:
+        """Hold the forward up to window_ms while calls that are due have not arrived (lock held)."""
+        if self.limits.window_ms <= 0:
+            return
+        until = self._clock() + self.limits.window_ms / 1000.0
+        while not self._closed and self._due_calls() > 0:
+            remaining = until - self._clock()
+            if remaining <= 0:
+                return
+            self._cond.wait(remaining)
+
+    def _due_calls(self) -> int:
+        if len(self._waiting) + len(self._active) >= self.limits.max_batch:
+            return 0
+        now = self._clock()
+        present = {j.session_id for j in self._waiting} | {j.session_id for j in self._active}
+        due = 0
+        for sid, (ended, gap) in list(self._returns.items()):
+            since = now - ended
+            if since > max(10 * gap, 2.0):
+                del self._returns[sid]  # gone quiet: stop expecting it
+            elif sid not in present and 0.5 * gap <= since <= 2 * gap + self.limits.window_ms / 1000.0:
+                due += 1
+        return due
+
+    def _admit(self) -> list[_Job]:
+        """First come first served into the free slots; one active call per session (lock held)."""
+        admitted: list[_Job] = []
+        busy = {j.session_id for j in self._active}
+        kept: collections.deque[_Job] = collections.deque()
+        while self._waiting:
+            job = self._waiting.popleft()
+            if len(self._active) < self.limits.max_batch and job.session_id not in busy:
+                self._active.append(job)
+                admitted.append(job)
+                busy.add(job.session_id)
+                ended = self._returns.get(job.session_id)
+                if ended is not None:  # learn how soon this session comes back after a call
+                    gap = max(0.0, job.submitted - ended[0])
+                    self._returns[job.session_id] = (ended[0], gap if ended[1] <= 0 else 0.7 * ended[1] + 0.3 * gap)
+            else:
+                kept.append(job)
+        self._waiting = kept
+        return admitted
+
+    def _start(self, job: _Job) -> None:
+        now = self._clock()
+        if job.future.cancelled():
+            self._finish(job)
+            return
+        if job.deadline is not None and now >= job.deadline:
+            self.expired += 1
+            self._fail(job, DeadlineExceeded("deadline expired while the call waited for the model"))
+            return
+        job.load.queue_ms = (now - job.submitted) * 1000.0
+        try:
+            job.steps = job.make_steps()
+        except BaseException as exc:  # noqa: BLE001 - delivered to the caller
+            self._fail(job, exc)
+            return
+        self._advance(job, None, first=True)
+
+    def _advance(self, job: _Job, output: Any, first: bool = False) -> None:
+        assert job.steps is not None
+        try:
+            job.pending = next(job.steps) if first else job.steps.send(output)
+            job.pending_since = self._clock()
+        except StopIteration as stop:
+            self._finish(job, stop.value)
+        except BaseException as exc:  # noqa: BLE001 - delivered to the caller
+            self._fail(job, exc)
+
+    def _drop_expired(self) -> None:
+        now = self._clock()
+        for job in list(self._active):
+            if job.future.cancelled():
+                self._close_steps(job)
+                self._finish(job)
+            elif job.deadline is not None and now >= job.deadline:
+                self.expired += 1
+                self._close_steps(job)
+                self._fail(job, DeadlineExceeded("deadline expired between forward steps"))
+
+    def _select(self) -> list[_Job]:
+        ready = sorted((j for j in self._active if j.pending is not None), key=lambda j: (j.pending_since, j.submitted))
+        batch, rows = [], 0
+        for job in ready:
+            tokens = len(job.pending.tokens)
+            if batch and rows + tokens > self.limits.max_batch_tokens:
+                continue  # a smaller step behind it may still fit; this one is oldest next time
+            batch.append(job)
+            rows += tokens
+        return batch
+
+    def _step(self, batch: list[_Job]) -> None:
+        steps = [job.pending for job in batch]
+        rows = sum(len(s.tokens) for s in steps)
+        for job in batch:
+            job.pending = None
+        start = self._clock()
+        try:
+            outputs = self._forward(steps)
+        except BaseException as exc:  # noqa: BLE001 - every call in the forward gets the error
+            log.exception("batched forward over %d calls failed", len(batch))
+            for job in batch:
+                self._close_steps(job)
+                self._fail(job, exc)
+            return
+        end = self._clock()
+        with self._cond:
+            self._busy.append((start, end))
+            self._step_s = (end - start) if self.forwards == 0 else 0.8 * self._step_s + 0.2 * (end - start)
+            self._batch_ewma = len(batch) if self.forwards == 0 else 0.8 * self._batch_ewma + 0.2 * len(batch)
+            self.forwards += 1
+            self.batched_sessions += len(batch)
+        for job, output in zip(batch, outputs):
+            job.load.forwards += 1
+            job.load.batch_sessions += len(batch)
+            job.load.batch_rows += rows
+            self._advance(job, output)
+
+    def _close_steps(self, job: _Job) -> None:
+        if job.steps is not None:
+            try:
+                job.steps.close()  # runs the call's finally blocks (unpins its session)
+            except BaseException:  # noqa: BLE001
+                log.exception("closing an abandoned call failed")
+
+    def _finish(self, job: _Job, result: Any = None) -> None:
+        self._retire(job)
+        with contextlib.suppress(InvalidStateError):  # cancelled by the caller meanwhile
+            job.future.set_result(result)
+
+    def _fail(self, job: _Job, exc: BaseException) -> None:
+        self._retire(job)
+        with contextlib.suppress(InvalidStateError):
+            job.future.set_exception(exc)
+
+    def _retire(self, job: _Job) -> None:
+        job.pending = None
+        with self._cond:
+            if job in self._active:
+                self._active.remove(job)
+            previous = self._returns.get(job.session_id)
+            self._returns[job.session_id] = (self._clock(), previous[1] if previous else 0.0)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ load
+    def _utilisation(self, now: float) -> float:
+        horizon = now - self._window_s
+        while self._busy and self._busy[0][1] < horizon:
+            self._busy.popleft()
+        busy = sum(end - max(start, horizon) for start, end in self._busy)
+        return min(1.0, busy / max(1e-9, min(self._window_s, now - self._started)))
+
+    def _retry_after_ms(self) -> int:
+        """About when a slot frees: the waiting calls' share of forwards at the measured step time."""
+        steps = 1 + len(self._waiting) // max(1, self.limits.max_batch)
+        return max(10, int(1000.0 * max(self._step_s, 0.01) * steps))
