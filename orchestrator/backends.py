@@ -46,6 +46,10 @@ class VerifyReply:
     bytes_sent: int = 0
     bytes_received: int = 0
     wall_ms: float = 0.0
+    # The target's batching (WorkerTiming): sessions and rows in this call's forward, calls waiting.
+    batch_sessions: float = 1.0
+    batch_rows: float = 0.0
+    worker_waiting: int = 0
 
 
 @dataclass

@@ -129,4 +129,6 @@ class GrpcTargetBackend(_WorkerClient):
                            cache_len=reply.cache_len, compute_ms=reply.timing.compute_ms,
                            prefilled_tokens=reply.timing.prefilled_tokens,
                            bytes_sent=request.ByteSize(), bytes_received=reply.ByteSize(),
-                           wall_ms=(time.perf_counter() - start) * 1000.0)
+                           wall_ms=(time.perf_counter() - start) * 1000.0,
+                           batch_sessions=reply.timing.batch_sessions or 1.0, batch_rows=reply.timing.batch_rows,
+                           worker_waiting=reply.timing.worker_waiting)

@@ -265,6 +265,7 @@ def seeded_stats(draft: WorkerDescription | None, target: WorkerDescription, max
     verify = {k: ms for k in range(0, max_k + 1) if (ms := target.forward_costs.ms(k + 1)) is not None}
     draft_ms = draft.forward_costs.ms(1) if draft is not None else None
     stats.timing.seed(draft_ms, verify)
+    stats.timing.target_curve = target.forward_costs.rows_curve()
     return stats
 
 

@@ -70,9 +70,45 @@ class TimingModel:
     # The draft call's own network + serving overhead (its wall time minus its compute): a draft on
     # a far node can cost more in RTT than in compute.
     draft_rtt_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 1.0))
+    # Load. The target batches the verifies of concurrent sessions into one forward, so at B sessions
+    # per forward a round at k costs a forward over about B*(k+1) rows, not k+1: what the extra
+    # drafts cost depends on where B*(k+1) sits on the target's cost curve (flat while the forward
+    # is memory-bound, linear once it is compute-bound). Each session prices its k as if every
+    # session in the batch chose the same k: the cost of the rows it adds to everyone's forward is
+    # then part of its own, and at saturation no k > 0 pays.
+    target_curve: tuple[tuple[int, float], ...] = ()  # (rows, ms): the target's startup calibration
+    target_batch: Ewma = field(default_factory=lambda: Ewma(0.3, 1.0))  # sessions per forward + waiting calls
+
+    def forward_ms(self, rows: float) -> float | None:
+        """The target's calibrated forward cost over `rows` token rows: interpolated, extended past
+        the largest measured count by the last segment's slope; None without a curve."""
+        curve = self.target_curve
+        if len(curve) < 2:
+            return None
+        if rows <= curve[0][0]:
+            return curve[0][1]
+        for (r0, m0), (r1, m1) in zip(curve, curve[1:]):
+            if rows <= r1:
+                return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)
+        (r0, m0), (r1, m1) = curve[-2], curve[-1]
+        return m1 + max(0.0, (m1 - m0) / (r1 - r0)) * (rows - r1)
+
+    def load_factor(self, k: int, batch: float | None = None) -> float:
+        """How much a verify at k costs at the current load relative to alone: T(B(k+1)) / T(k+1)."""
+        batch = self.target_batch.value if batch is None else batch
+        if batch <= 1.0:
+            return 1.0
+        alone, loaded = self.forward_ms(k + 1), self.forward_ms(batch * (k + 1))
+        if alone is None or loaded is None or alone <= 0:
+            return 1.0
+        return max(1.0, loaded / alone)
 
     def verify_ms(self, k: int) -> float:
-        """Verify cost of k drafts, monotone in k.
+        """Verify cost of k drafts at the current load (see load_factor), monotone in k."""
+        return self.solo_verify_ms(k) * self.load_factor(k)
+
+    def solo_verify_ms(self, k: int) -> float:
+        """Verify cost of k drafts with the target to this session alone, monotone in k.
 
         Measured per-k values (made non-decreasing), linear between measured k, the fitted slope past
         the largest. Below the smallest measured k: that value scaled by the token count (k + 1
@@ -110,7 +146,12 @@ class TimingModel:
         if k > 0:
             self.draft_ms_per_token.update(compute_ms / k)
 
-    def observe_verify(self, k: int, compute_ms: float) -> None:
+    def observe_verify(self, k: int, compute_ms: float, rows: float = 0.0) -> None:
+        """A verify's compute time, measured in a forward of `rows` rows (0: alone), stored as what
+        it would have cost alone, so that the per-k costs do not mix load with k."""
+        alone, batched = self.forward_ms(k + 1), self.forward_ms(rows) if rows > k + 1 else None
+        if alone and batched:
+            compute_ms *= min(1.0, alone / batched)
         self.verify_line.update(k, compute_ms)
         if k in self.verify_by_k:
             self.verify_by_k[k].update(compute_ms)
@@ -148,7 +189,8 @@ class SessionStats:
             if record.draft_token_ms > 0:
                 self.timing.observe_draft(1, record.draft_token_ms)
             if record.target_prefilled <= 1:
-                self.timing.observe_verify(record.drafted, record.verify_ms)
+                self.timing.observe_verify(record.drafted, record.verify_ms, record.target_rows)
+            self.timing.target_batch.update(max(1.0, record.target_batch) + record.target_waiting)
             self.timing.observe_rtt(record.verify_wall_ms - record.verify_ms)
             if record.draft_wall_ms > 0 and record.draft_ms > 0:
                 self.timing.observe_draft_rtt(record.draft_wall_ms - record.draft_ms)

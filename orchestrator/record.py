@@ -42,6 +42,10 @@ class RoundRecord:
     predraft_hit: bool | None = None
     predraft_saved_ms: float = 0.0  # draft wall time this round did not wait for (hits only)
     draft_wall_ms: float = 0.0      # the draft call as the orchestrator saw it (RPC + compute)
+    # The target's load during the verify: sessions and rows in its forward, calls waiting for a slot.
+    target_batch: float = 1.0
+    target_rows: float = 0.0
+    target_waiting: int = 0
 
     @property
     def drafted(self) -> int:

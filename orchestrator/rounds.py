@@ -167,7 +167,8 @@ class Round:
             target_cached=calls.target_cached, reprefills=calls.reprefills,
             bytes_to_draft=calls.bytes_to_draft, bytes_from_draft=calls.bytes_from_draft,
             bytes_to_target=calls.bytes_to_target, bytes_from_target=calls.bytes_from_target,
-            predraft_hit=hit, predraft_saved_ms=saved_ms, draft_wall_ms=reply.wall_ms if reply else 0.0)
+            predraft_hit=hit, predraft_saved_ms=saved_ms, draft_wall_ms=reply.wall_ms if reply else 0.0,
+            target_batch=verify.batch_sessions, target_rows=verify.batch_rows, target_waiting=verify.worker_waiting)
 
     # ------------------------------------------------------------------ pipelining
     def _start_predraft(self, assumed: list[int], k: int) -> None:

@@ -36,8 +36,13 @@ def measurement_order(max_tokens: int) -> list[int]:
 
 @torch.inference_mode()
 def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int, contexts: tuple[int, ...],
-                       budget_s: float, reps: int = 1, clock: Callable[[], float] = time.monotonic) -> CostCurve:
-    """Median ms of a forward over t new tokens on top of c cached ones, for t in 1..max_tokens."""
+                       budget_s: float, reps: int = 1, clock: Callable[[], float] = time.monotonic,
+                       load_tokens: tuple[int, ...] = ()) -> CostCurve:
+    """Median ms of a forward over t new tokens on top of c cached ones, for t in 1..max_tokens.
+
+    `load_tokens`: larger row counts, measured last and at the first context only, within budget:
+    a batch of B sessions at k drafts is a forward of about B*(k+1) rows, and the orchestrator prices
+    load with them."""
     if budget_s <= 0:
         return CostCurve()
     device = next(model.parameters()).device
@@ -50,7 +55,11 @@ def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int,
         cache = new_cache(model)
         prefix = torch.randint(0, vocab_size, (1, context), generator=gen).to(device)
         model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        for i, tokens in enumerate(measurement_order(max_tokens)):
+        order = measurement_order(max_tokens)
+        if context == contexts[0]:
+            order += [t for t in load_tokens if t > max_tokens and context + t <= getattr(
+                getattr(model, "config", None), "max_position_embeddings", context + t)]
+        for i, tokens in enumerate(order):
             # 1 and max_tokens are always measured (they bracket the curve); the rest within budget.
             if clock() - started > budget_s and (i >= 2 or context != contexts[0]):
                 break
@@ -71,7 +80,7 @@ def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int,
     return curve
 
 
-def calibrate(core: WorkerCore, max_k: int, budget_s: float) -> None:
+def calibrate(core: WorkerCore, max_k: int, budget_s: float, max_batch_rows: int = 0) -> None:
     """At worker startup: choose the GEMM path (CPU), then measure the cost curve, within budget_s.
 
     The draft forwards 1 token per drafting step and up to 2 on catch-up; the target verifies up to
@@ -88,4 +97,8 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float) -> None:
     # The orchestrator prices rounds at the short context; a longer one is measured (and reported for
     # operators) only with budget to spare. The end points of the short one are always measured.
     contexts = tuple(sorted({min(64, core.max_context // 4), min(256, core.max_context // 2)}))
-    core.cost_curve = measure_cost_curve(core.model, core.vocab_size, max_tokens, contexts, max(left, 1e-9))
+    # The target also measures what batched forwards cost (rows of several sessions), so the k policy
+    # can price load; the draft's batched steps are measured in service.
+    load = tuple(t for t in (16, 32, 64) if t <= max_batch_rows) if core.role == "target" else ()
+    core.cost_curve = measure_cost_curve(core.model, core.vocab_size, max_tokens, contexts, max(left, 1e-9),
+                                         load_tokens=load)

@@ -149,6 +149,13 @@ class CostCurve:
             return curve[0][1]
         return None
 
+    def rows_curve(self) -> tuple[tuple[int, float], ...]:
+        """(tokens, ms) at the shortest measured context, by tokens."""
+        if not self.points:
+            return ()
+        context = min(c for _, c, _ in self.points)
+        return tuple(sorted((t, ms) for t, c, ms in self.points if c == context))
+
     def to_pb(self) -> list[common_pb2.ForwardCost]:
         return [common_pb2.ForwardCost(tokens=t, context=c, ms=ms) for t, c, ms in self.points]
 

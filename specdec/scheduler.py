@@ -136,7 +136,9 @@ class BatchScheduler:
         with self._cond:
             if self._closed:
                 raise WorkerUnavailable("worker is shutting down")
-            if len(self._waiting) >= self.limits.max_queue:
+            # Calls that a free slot will take at once do not count as queued.
+            free = max(0, self.limits.max_batch - len(self._active))
+            if len(self._waiting) - free >= self.limits.max_queue:
                 self.rejected += 1
                 retry_ms = self._retry_after_ms()
                 raise QueueFull(f"worker busy: {len(self._active)} calls in the batch and {len(self._waiting)} "

@@ -136,7 +136,8 @@ async def serve_worker(args: argparse.Namespace, role: str,
     loaded = await asyncio.to_thread(load_model, args.model, dtype, str(device))
     core = WorkerCore(loaded, role, store_limits(args))
     from specdec.calibration import calibrate
-    await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s)
+    await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s,
+                            min(args.max_batch_tokens, args.max_batch * (args.max_k + 1)))
     servicer = make_servicer(core, batch_limits(args))
     credentials = None
     if args.tls_cert and args.tls_key:

@@ -13,6 +13,7 @@ from orchestrator.config import SpeculationConfig
 from orchestrator.api import EngineLimits
 from specdec import grpc_util
 from specdec.models import load_model
+from specdec.scheduler import BatchLimits
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc, worker_pb2_grpc
 from specdec.worker_core import StoreLimits, WorkerCore
 from target_worker.servicer import SERVICE_NAME as TARGET_SERVICE, TargetServicer, register as register_target
@@ -28,14 +29,15 @@ def cached_model(ref: str, dtype: torch.dtype = torch.float32):
 
 
 async def start_worker(role: str, ref: str, limits: StoreLimits = StoreLimits(), port: int = 0,
-                       dtype: torch.dtype = torch.float32, credentials: grpc.ServerCredentials | None = None):
+                       dtype: torch.dtype = torch.float32, credentials: grpc.ServerCredentials | None = None,
+                       batch: BatchLimits = BatchLimits()):
     core = WorkerCore(cached_model(ref, dtype), role, limits)
     if role == "draft":
-        servicer = DraftServicer(core)
+        servicer = DraftServicer(core, limits=batch)
         handle = await grpc_util.start_server(lambda s: register_draft(servicer, s), [DRAFT_SERVICE], port=port,
                                               credentials=credentials)
     else:
-        servicer = TargetServicer(core)
+        servicer = TargetServicer(core, batch)
         handle = await grpc_util.start_server(lambda s: register_target(servicer, s), [TARGET_SERVICE], port=port,
                                               credentials=credentials)
     return handle, servicer
@@ -91,9 +93,10 @@ async def start_stack(target_ref: str = "tiny:seed=0", draft_ref: str = "tiny:se
                       speculation: SpeculationConfig = SpeculationConfig(),
                       worker_limits: StoreLimits = StoreLimits(), engine_limits: EngineLimits = EngineLimits(),
                       max_concurrent: int = 8, max_queue: int = 32,
-                      draft_dtype: torch.dtype = torch.float32, trace_file: str | None = None) -> Stack:
-    draft_handle, draft = await start_worker("draft", draft_ref, worker_limits, dtype=draft_dtype)
-    target_handle, target = await start_worker("target", target_ref, worker_limits)
+                      draft_dtype: torch.dtype = torch.float32, trace_file: str | None = None,
+                      batch: BatchLimits = BatchLimits()) -> Stack:
+    draft_handle, draft = await start_worker("draft", draft_ref, worker_limits, dtype=draft_dtype, batch=batch)
+    target_handle, target = await start_worker("target", target_ref, worker_limits, batch=batch)
     cfg = OrchestratorConfig(f"127.0.0.1:{draft_handle.port}", f"127.0.0.1:{target_handle.port}", target_ref,
                              speculation, engine_limits, max_concurrent, max_queue, connect_timeout_s=10.0,
                              trace_file=trace_file)

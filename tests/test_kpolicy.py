@@ -106,3 +106,54 @@ def test_cost_model_learns_a_step_in_verify_cost() -> None:
         for k in range(0, 7):
             s.timing.observe_verify(k, 260.0 if k + 1 <= 3 else 500.0)
     assert CostModelPolicy().next_k(s, 0, 6) == 2
+
+
+# ----------------------------------------------------------------------------- load (batched target)
+
+def loaded_stats(batch: float, waiting: int = 0) -> SessionStats:
+    """A target whose forward is memory-bound (flat) up to 16 rows and compute-bound (linear) past it,
+    as a CPU or GPU forward is; acceptance 0.8, a cheap draft."""
+    s = stats_with(0.8, draft_ms=4.0)
+    s.timing.target_curve = ((1, 100.0), (9, 104.0), (16, 108.0), (32, 268.0), (64, 588.0))
+    s.timing.seed(4.0, {k: 100.0 + 0.5 * k for k in range(9)})
+    s.timing.target_batch.value = batch + waiting
+    return s
+
+
+def test_k_falls_as_the_batch_grows_and_reaches_zero_at_saturation() -> None:
+    policy = CostModelPolicy(probe_every=0)
+    chosen = [policy.next_k(loaded_stats(b), 0, 8) for b in (1, 2, 4, 8, 16)]
+    assert chosen[0] >= 4, chosen                   # alone: the verify is nearly free, speculate
+    assert all(a >= b for a, b in zip(chosen, chosen[1:])), chosen   # never more k under more load
+    assert chosen[-1] == 0, chosen                  # 16 sessions: every extra row costs, k = 0
+    # Calls waiting for a slot count as load too.
+    assert policy.next_k(loaded_stats(8, waiting=8), 0, 8) == 0
+
+
+def test_load_factor_follows_the_curve() -> None:
+    s = loaded_stats(4)
+    assert s.timing.load_factor(0) == pytest.approx(101.5 / 100.0)   # 4 rows: still flat
+    assert s.timing.load_factor(7) == pytest.approx(268.0 / 104.0, rel=0.01)             # 32 rows
+    assert s.timing.forward_ms(128) == pytest.approx(588.0 + 10.0 * 64)                   # extended
+    assert loaded_stats(1).timing.load_factor(7) == 1.0
+    assert SessionStats().timing.load_factor(3, batch=8) == 1.0  # no curve: no load pricing
+
+
+def test_verify_observed_in_a_batch_is_stored_as_its_cost_alone() -> None:
+    s = loaded_stats(1)
+    s.timing.verify_by_k.clear()
+    s.timing.observe_verify(3, 268.0, rows=32)   # a k=3 verify in a 32-row forward
+    assert s.timing.solo_verify_ms(3) == pytest.approx(268.0 * 102.0 / 268.0, rel=0.01)
+
+
+def test_round_records_feed_the_load_estimate() -> None:
+    from orchestrator.record import RoundRecord
+    s = loaded_stats(1)
+    record = RoundRecord("s", 1, 10, "cost", 3, (1, 2, 3), (0.9,) * 3, (0.9,) * 3, 3, (1, 2, 3, 4), "", None,
+                         False, True, 12.0, 4.0, 150.0, 152.0, 170.0, 0, 0, 10, 0,
+                         target_batch=6.0, target_rows=24.0, target_waiting=2)
+    for _ in range(20):
+        s.observe(record)
+    assert s.timing.target_batch.value == pytest.approx(8.0, rel=0.01)
+    # A fixed k ignores load: every request can still pin its own k.
+    assert FixedPolicy(5).next_k(s, 0, 8) == 5

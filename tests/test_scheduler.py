@@ -1,0 +1,292 @@
+"""The per-worker batch scheduler on its own: a fake forward, no model, no gRPC."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from specdec.errors import DeadlineExceeded, WorkerUnavailable
+from specdec.scheduler import BatchLimits, BatchScheduler, QueueFull
+
+WAIT_S = 10.0
+
+
+@dataclass
+class Step:
+    session: str
+    tokens: list[int]
+
+
+class FakeForward:
+    """Records each forward's steps; can hold the next forward until released."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_with: str | None = None  # fail the first forward that has this session
+
+    def hold(self) -> None:
+        self.gate.clear()
+        self.entered.clear()
+
+    def __call__(self, steps: list[Step]) -> list[int]:
+        self.entered.set()
+        assert self.gate.wait(WAIT_S)
+        self.batches.append([s.session for s in steps])
+        if self.fail_with in [s.session for s in steps]:
+            self.fail_with = None
+            raise RuntimeError("forward failed")
+        return [len(s.tokens) for s in steps]
+
+
+def call(session: str, steps: int = 1, tokens: int = 1, log: list | None = None):
+    """A call of `steps` forward steps; logs start and cleanup events."""
+    def make():
+        if log is not None:
+            log.append(("start", session))
+        try:
+            out = []
+            for _ in range(steps):
+                out.append((yield Step(session, [0] * tokens)))
+            return out
+        finally:
+            if log is not None:
+                log.append(("cleanup", session))
+    return make
+
+
+@pytest.fixture
+def forward():
+    return FakeForward()
+
+
+def make_scheduler(forward: FakeForward, **limits) -> BatchScheduler:
+    limits.setdefault("window_ms", 0.0)
+    return BatchScheduler(forward, BatchLimits(**limits))
+
+
+def test_calls_that_arrive_together_share_each_forward(forward) -> None:
+    scheduler = make_scheduler(forward)
+    try:
+        forward.hold()
+        first, _ = scheduler.submit("a", call("a"))
+        assert forward.entered.wait(WAIT_S)
+        # While "a" is in its forward, three multi-step calls arrive: they run as one batch per step.
+        futures = [scheduler.submit(s, call(s, steps=3))[0] for s in ("b", "c", "d")]
+        forward.gate.set()
+        assert first.result(WAIT_S) == [1]
+        assert [f.result(WAIT_S) for f in futures] == [[1, 1, 1]] * 3
+        assert forward.batches == [["a"], ["b", "c", "d"], ["b", "c", "d"], ["b", "c", "d"]]
+        assert scheduler.forwards == 4 and scheduler.batched_sessions == 10
+    finally:
+        scheduler.close()
+
+
+def test_a_call_joins_a_running_multi_step_call_between_steps(forward) -> None:
+    scheduler = make_scheduler(forward)
+    try:
+        forward.hold()
+        long_call, long_load = scheduler.submit("long", call("long", steps=3))
+        assert forward.entered.wait(WAIT_S)
+        short_call, short_load = scheduler.submit("short", call("short", steps=1))
+        forward.gate.set()
+        long_call.result(WAIT_S), short_call.result(WAIT_S)
+        assert forward.batches == [["long"], ["long", "short"], ["long"]]
+        assert long_load.forwards == 3 and long_load.batch_sessions == 4
+        assert short_load.mean_batch == 2.0 and short_load.queue_ms >= 0.0
+    finally:
+        scheduler.close()
+
+
+def test_one_call_per_session_at_a_time_in_arrival_order(forward) -> None:
+    scheduler = make_scheduler(forward)
+    log: list = []
+    try:
+        forward.hold()
+        first, _ = scheduler.submit("s", call("s", steps=2, log=log))
+        assert forward.entered.wait(WAIT_S)
+        second, _ = scheduler.submit("s", call("s", steps=1, log=log))
+        other, _ = scheduler.submit("t", call("t", steps=1))
+        forward.gate.set()
+        first.result(WAIT_S), second.result(WAIT_S), other.result(WAIT_S)
+        # The second call on "s" starts only after the first cleaned up; "t" did not wait for it.
+        assert log == [("start", "s"), ("cleanup", "s"), ("start", "s"), ("cleanup", "s")]
+        assert all(batch.count("s") <= 1 for batch in forward.batches)
+        assert forward.batches[1] == ["s", "t"]
+    finally:
+        scheduler.close()
+
+
+def test_token_cap_starves_nobody(forward) -> None:
+    # Rows per forward capped at 4: a 4-row call and five 1-row calls of several steps each. Whoever
+    # was left out of a forward is the oldest and goes first in the next one.
+    scheduler = make_scheduler(forward, max_batch_tokens=4)
+    try:
+        forward.hold()
+        blocker, _ = scheduler.submit("x", call("x"))
+        assert forward.entered.wait(WAIT_S)
+        futures = [scheduler.submit("big", call("big", steps=3, tokens=4))[0]]
+        futures += [scheduler.submit(f"s{i}", call(f"s{i}", steps=3))[0] for i in range(5)]
+        forward.gate.set()
+        blocker.result(WAIT_S)
+        for f in futures:
+            f.result(WAIT_S)
+        batches = forward.batches[1:]
+        rows = {"big": 4}
+        assert all(sum(rows.get(s, 1) for s in b) <= 4 for b in batches)
+        # No call waits more than two forwards between its steps.
+        for session in ["big"] + [f"s{i}" for i in range(5)]:
+            seen = [i for i, b in enumerate(batches) if session in b]
+            assert len(seen) == 3
+            assert max(b - a for a, b in zip([-1] + seen, seen)) <= 3, (session, batches)
+    finally:
+        scheduler.close()
+
+
+def test_full_queue_is_refused_with_a_retry_hint(forward) -> None:
+    scheduler = make_scheduler(forward, max_batch=1, max_queue=1)
+    try:
+        forward.hold()
+        running, _ = scheduler.submit("a", call("a"))
+        assert forward.entered.wait(WAIT_S)
+        queued, _ = scheduler.submit("b", call("b"))
+        with pytest.raises(QueueFull) as refused:
+            scheduler.submit("c", call("c"))
+        assert refused.value.code_name == "RESOURCE_EXHAUSTED" and refused.value.retry_after_ms > 0
+        assert "retry after" in str(refused.value)
+        forward.gate.set()
+        running.result(WAIT_S), queued.result(WAIT_S)
+        assert scheduler.rejected == 1
+        # With the queue drained, calls are taken again.
+        assert scheduler.submit("c", call("c"))[0].result(WAIT_S) == [1]
+    finally:
+        scheduler.close()
+
+
+def test_deadline_expiring_in_the_queue_or_between_steps_stops_the_call(forward) -> None:
+    scheduler = make_scheduler(forward)
+    log: list = []
+    try:
+        forward.hold()
+        running, _ = scheduler.submit("a", call("a", steps=3, log=log), timeout_s=0.2)
+        assert forward.entered.wait(WAIT_S)
+        waiting, _ = scheduler.submit("b", call("b", log=log), timeout_s=0.05)
+        threading.Event().wait(0.3)  # both deadlines pass while the forward is held
+        forward.gate.set()
+        with pytest.raises(DeadlineExceeded):
+            running.result(WAIT_S)
+        with pytest.raises(DeadlineExceeded):
+            waiting.result(WAIT_S)
+        # "a" ran one forward, then was stopped and cleaned up; "b" never started.
+        assert forward.batches == [["a"]]
+        assert log == [("start", "a"), ("cleanup", "a")]
+        assert scheduler.expired == 2
+    finally:
+        scheduler.close()
+
+
+def test_cancelled_calls_are_dropped_and_cleaned_up(forward) -> None:
+    scheduler = make_scheduler(forward)
+    log: list = []
+    try:
+        forward.hold()
+        running, _ = scheduler.submit("a", call("a", steps=3, log=log))
+        assert forward.entered.wait(WAIT_S)
+        waiting, _ = scheduler.submit("b", call("b", log=log))
+        assert waiting.cancel() and running.cancel()
+        forward.gate.set()
+        assert scheduler.submit("c", call("c"))[0].result(WAIT_S) == [1]
+        assert ("start", "b") not in log and log == [("start", "a"), ("cleanup", "a")]
+        assert ["a"] in forward.batches and not any("b" in b for b in forward.batches)
+    finally:
+        scheduler.close()
+
+
+def test_a_failed_forward_fails_its_calls_and_the_scheduler_goes_on(forward) -> None:
+    scheduler = make_scheduler(forward)
+    log: list = []
+    try:
+        forward.hold()
+        blocker, _ = scheduler.submit("x", call("x"))
+        assert forward.entered.wait(WAIT_S)
+        futures = [scheduler.submit(s, call(s, steps=2, log=log))[0] for s in ("a", "b")]
+        forward.fail_with = "a"
+        forward.gate.set()
+        assert blocker.result(WAIT_S) == [1]
+        for f in futures:
+            with pytest.raises(RuntimeError, match="forward failed"):
+                f.result(WAIT_S)
+        assert ("cleanup", "a") in log and ("cleanup", "b") in log
+        assert scheduler.submit("c", call("c"))[0].result(WAIT_S) == [1]
+    finally:
+        scheduler.close()
+
+
+def test_errors_inside_a_call_reach_only_that_call(forward) -> None:
+    def broken():
+        raise ValueError("bad request")
+        yield  # noqa: unreachable
+    scheduler = make_scheduler(forward)
+    try:
+        bad, _ = scheduler.submit("a", broken)
+        good, _ = scheduler.submit("b", call("b"))
+        with pytest.raises(ValueError, match="bad request"):
+            bad.result(WAIT_S)
+        assert good.result(WAIT_S) == [1]
+    finally:
+        scheduler.close()
+
+
+def test_close_fails_waiting_calls_as_unavailable(forward) -> None:
+    scheduler = make_scheduler(forward, max_batch=1)
+    forward.hold()
+    running, _ = scheduler.submit("a", call("a", steps=2))
+    assert forward.entered.wait(WAIT_S)
+    waiting, _ = scheduler.submit("b", call("b"))
+    closer = threading.Thread(target=scheduler.close)
+    closer.start()
+    forward.gate.set()
+    closer.join(WAIT_S)
+    with pytest.raises(WorkerUnavailable):
+        waiting.result(WAIT_S)
+    with pytest.raises(WorkerUnavailable):
+        scheduler.submit("c", call("c"))
+
+
+def test_window_waits_only_for_sessions_that_are_due() -> None:
+    now = [100.0]
+    scheduler = BatchScheduler(lambda steps: [0] * len(steps), BatchLimits(window_ms=5.0), clock=lambda: now[0])
+    try:
+        with scheduler._cond:
+            # "s" ended a call at t=100 and came back 0.2 s later: it learns a gap of 0.2 s.
+            scheduler._returns["s"] = (100.0, 0.2)
+            assert scheduler._due_calls() == 0 or now[0] - 100.0 >= 0.1
+            now[0] = 100.05   # too early for "s"
+            assert scheduler._due_calls() == 0
+            now[0] = 100.2    # about when it usually comes back
+            assert scheduler._due_calls() == 1
+            now[0] = 100.5    # late: no longer waited for
+            assert scheduler._due_calls() == 0
+            now[0] = 200.0    # quiet for long: forgotten
+            assert scheduler._due_calls() == 0 and "s" not in scheduler._returns
+            # A session with no learned gap is never waited for: a single stream pays nothing.
+            scheduler._returns["new"] = (200.0, 0.0)
+            now[0] = 200.01
+            assert scheduler._due_calls() == 0
+    finally:
+        scheduler.close()
+
+
+def test_utilisation_is_the_busy_fraction(forward) -> None:
+    scheduler = make_scheduler(forward)
+    try:
+        for i in range(3):
+            scheduler.submit(f"s{i}", call(f"s{i}"))[0].result(WAIT_S)
+        snap = scheduler.snapshot()
+        assert 0.0 <= snap.utilisation <= 1.0 and snap.active == 0 and snap.waiting == 0
+        assert snap.mean_batch >= 1.0
+    finally:
+        scheduler.close()
