@@ -78,11 +78,34 @@ class TimingModel:
     # then part of its own, and at saturation no k > 0 pays.
     target_curve: tuple[tuple[int, float], ...] = ()  # (rows, ms): the target's startup calibration
     target_batch: Ewma = field(default_factory=lambda: Ewma(0.3, 1.0))  # sessions per forward + waiting calls
+    # The same curve as measured in service: every verify reports the rows of its forward and its
+    # time. Where a row count has been seen, it wins over the startup figure, which knows nothing of
+    # prefills sharing the forward, per-session attention, or a co-located draft's load.
+    observed_rows: dict[int, Ewma] = field(default_factory=dict)
+
+    def rows_curve(self) -> list[tuple[int, float]]:
+        """Startup points, replaced by in-service measurements near them; non-decreasing in rows."""
+        seen = {bucket: e.value for bucket, e in self.observed_rows.items()}
+        points = dict(p for p in self.target_curve if _rows_bucket(p[0]) not in seen)
+        points.update(seen)
+        curve, highest = [], 0.0
+        for rows in sorted(points):
+            highest = max(highest, points[rows])
+            curve.append((rows, highest))
+        return curve
+
+    def observe_forward(self, rows: float, ms: float) -> None:
+        if rows >= 1 and ms > 0:
+            bucket = _rows_bucket(rows)
+            if bucket in self.observed_rows:
+                self.observed_rows[bucket].update(ms)
+            else:
+                self.observed_rows[bucket] = Ewma(0.3, ms, 1)
 
     def forward_ms(self, rows: float) -> float | None:
-        """The target's calibrated forward cost over `rows` token rows: interpolated, extended past
-        the largest measured count by the last segment's slope; None without a curve."""
-        curve = self.target_curve
+        """The target's forward cost over `rows` token rows (rows_curve): interpolated, extended past
+        the largest known count by the last segment's slope; None with fewer than two points."""
+        curve = self.rows_curve()
         if len(curve) < 2:
             return None
         if rows <= curve[0][0]:
@@ -150,6 +173,8 @@ class TimingModel:
         """A verify's compute time, measured in a forward of `rows` rows (0: alone), stored as what
         it would have cost alone, so that the per-k costs do not mix load with k."""
         alone, batched = self.forward_ms(k + 1), self.forward_ms(rows) if rows > k + 1 else None
+        if rows >= k + 1:
+            self.observe_forward(rows, compute_ms)
         if alone and batched:
             compute_ms *= min(1.0, alone / batched)
         self.verify_line.update(k, compute_ms)
@@ -349,6 +374,14 @@ class BanditPolicy:
             if value + bonus > best_score:
                 best_k, best_score = k, value + bonus
         return best_k
+
+
+_ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128, 192, 256)
+
+
+def _rows_bucket(rows: float) -> int:
+    """The nearest of a fixed grid (exact up to 10 rows, then about 15 % apart)."""
+    return min(_ROW_BUCKETS, key=lambda b: (abs(b - rows), b))
 
 
 def _clamp(k: int, lo: int, hi: int) -> int:

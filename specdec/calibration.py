@@ -57,11 +57,13 @@ def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int,
         model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
         order = measurement_order(max_tokens)
         if context == contexts[0]:
-            order += [t for t in load_tokens if t > max_tokens and context + t <= getattr(
-                getattr(model, "config", None), "max_position_embeddings", context + t)]
+            # Right after the two end points, largest first: without them load cannot be priced.
+            limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 1 << 30
+            order[2:2] = sorted((t for t in load_tokens if t > max_tokens and context + t <= limit), reverse=True)
+        # 1, max_tokens and the largest load point are always measured (they bracket the curve).
+        always = 3 if len(order) > 2 and order[2] > max_tokens else 2
         for i, tokens in enumerate(order):
-            # 1 and max_tokens are always measured (they bracket the curve); the rest within budget.
-            if clock() - started > budget_s and (i >= 2 or context != contexts[0]):
+            if clock() - started > budget_s and (i >= always or context != contexts[0]):
                 break
             ids = torch.randint(0, vocab_size, (1, tokens), generator=gen).to(device)
             times = []

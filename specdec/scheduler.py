@@ -53,7 +53,7 @@ class QueueFull(CapacityExceeded):
 class BatchLimits:
     max_batch: int = 8            # calls (sessions) sharing one forward; 1 = one call at a time
     max_batch_tokens: int = 256   # token rows per forward
-    window_ms: float = 2.0        # wait for due calls to join a forward
+    window_ms: float = 20.0       # cap on waiting for due calls to join a forward (also <= 10% of a forward)
     max_queue: int = 64           # calls waiting for a slot; more get RESOURCE_EXHAUSTED
 
     def validate(self) -> None:
@@ -115,7 +115,7 @@ class BatchScheduler:
         # Sessions whose last call ended recently -> (end time, EWMA of their gap until the next call).
         self._returns: dict[str, tuple[float, float]] = {}
         self._busy: collections.deque[tuple[float, float]] = collections.deque()
-        self._window_s = utilisation_window_s
+        self._util_window_s = utilisation_window_s
         self._started = clock()
         self._step_s = 0.0  # EWMA of one forward's duration (retry hints)
         self._batch_ewma = 0.0
@@ -183,11 +183,16 @@ class BatchScheduler:
             self._close_steps(job)
             self._fail(job, WorkerUnavailable("worker is shutting down"))
 
+    def _window_s(self) -> float:
+        """window_ms caps it; a tenth of the recent forward time bounds what waiting may cost."""
+        cap = self.limits.window_ms / 1000.0
+        return cap if self.forwards == 0 else min(cap, 0.1 * self._step_s)
+
     def _wait_for_due_calls(self) -> None:
-        """Hold the forward up to window_ms while calls that are due have not arrived (lock held)."""
+        """Hold the forward up to the window while calls that are due have not arrived (lock held)."""
         if self.limits.window_ms <= 0:
             return
-        until = self._clock() + self.limits.window_ms / 1000.0
+        until = self._clock() + self._window_s()
         while not self._closed and self._due_calls() > 0:
             remaining = until - self._clock()
             if remaining <= 0:
@@ -197,15 +202,15 @@ class BatchScheduler:
     def _due_calls(self) -> int:
         if len(self._waiting) + len(self._active) >= self.limits.max_batch:
             return 0
-        now = self._clock()
+        now, window = self._clock(), self._window_s()
         present = {j.session_id for j in self._waiting} | {j.session_id for j in self._active}
         due = 0
         for sid, (ended, gap) in list(self._returns.items()):
             since = now - ended
             if since > max(10 * gap, 2.0):
                 del self._returns[sid]  # gone quiet: stop expecting it
-            elif sid not in present and 0.5 * gap <= since <= 2 * gap + self.limits.window_ms / 1000.0:
-                due += 1
+            elif sid not in present and gap > 0 and since + window >= gap and since <= 2 * gap + window:
+                due += 1  # it usually comes back within the window from now, and is not overdue
         return due
 
     def _admit(self) -> list[_Job]:
@@ -332,11 +337,11 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ load
     def _utilisation(self, now: float) -> float:
-        horizon = now - self._window_s
+        horizon = now - self._util_window_s
         while self._busy and self._busy[0][1] < horizon:
             self._busy.popleft()
         busy = sum(end - max(start, horizon) for start, end in self._busy)
-        return min(1.0, busy / max(1e-9, min(self._window_s, now - self._started)))
+        return min(1.0, busy / max(1e-9, min(self._util_window_s, now - self._started)))
 
     def _retry_after_ms(self) -> int:
         """About when a slot frees: the waiting calls' share of forwards at the measured step time."""

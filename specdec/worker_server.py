@@ -101,8 +101,10 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
                         help="calls (sessions) sharing one forward; 1 runs one call at a time, the exact mode "
                              "(each stream's numerics then do not depend on the others)")
     parser.add_argument("--max-batch-tokens", type=int, default=256, help="token rows per batched forward")
-    parser.add_argument("--batch-window-ms", type=float, default=2.0,
-                        help="wait this long for calls that are due to join a forward (never when none is due)")
+    parser.add_argument("--batch-window-ms", type=float, default=20.0,
+                        help="the most a forward waits for calls that are due (sessions that usually come back "
+                             "about now) to join it; also at most a tenth of the recent forward time, and never "
+                             "when none is due")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="calls waiting for a batch slot; more are refused with RESOURCE_EXHAUSTED")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")

@@ -157,3 +157,22 @@ def test_round_records_feed_the_load_estimate() -> None:
     assert s.timing.target_batch.value == pytest.approx(8.0, rel=0.01)
     # A fixed k ignores load: every request can still pin its own k.
     assert FixedPolicy(5).next_k(s, 0, 8) == 5
+
+
+def test_rows_measured_in_service_replace_the_startup_curve() -> None:
+    s = loaded_stats(8)
+    flat_choice = CostModelPolicy(probe_every=0).next_k(s, 0, 8)
+    assert flat_choice > 0  # the startup curve says 8 sessions x (k+1) rows are nearly free
+    # In service, forwards over 16..64 rows turn out to cost far more than the calibration said
+    # (prefills sharing them, a co-located draft): the same load now prices speculation out.
+    for rows, ms in ((8, 110.0), (16, 300.0), (24, 450.0), (32, 600.0), (40, 750.0), (48, 900.0), (64, 1200.0)):
+        for _ in range(5):
+            s.timing.observe_forward(rows, ms)
+    assert dict(s.timing.rows_curve())[32] == pytest.approx(600.0, rel=0.01)
+    assert s.timing.forward_ms(1) == pytest.approx(100.0)    # not observed: the startup point stays
+    assert s.timing.forward_ms(9) == pytest.approx(110.0)    # ... lifted to stay monotone
+    assert CostModelPolicy(probe_every=0).next_k(s, 0, 8) == 0
+    # The curve stays non-decreasing whatever the measurements say.
+    s.timing.observe_forward(12, 50.0)
+    values = [ms for _, ms in s.timing.rows_curve()]
+    assert values == sorted(values)

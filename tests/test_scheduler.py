@@ -261,21 +261,29 @@ def test_window_waits_only_for_sessions_that_are_due() -> None:
     scheduler = BatchScheduler(lambda steps: [0] * len(steps), BatchLimits(window_ms=5.0), clock=lambda: now[0])
     try:
         with scheduler._cond:
-            # "s" ended a call at t=100 and came back 0.2 s later: it learns a gap of 0.2 s.
+            assert scheduler._window_s() == 0.005
+            # "s" ended a call at t=100 and usually comes back 0.2 s after one.
             scheduler._returns["s"] = (100.0, 0.2)
-            assert scheduler._due_calls() == 0 or now[0] - 100.0 >= 0.1
-            now[0] = 100.05   # too early for "s"
+            now[0] = 100.05   # not back for another 0.15 s: no point holding a forward for it
             assert scheduler._due_calls() == 0
-            now[0] = 100.2    # about when it usually comes back
+            now[0] = 100.197  # comes back within the 5 ms window
             assert scheduler._due_calls() == 1
-            now[0] = 100.5    # late: no longer waited for
+            now[0] = 100.3    # a little late: still expected
+            assert scheduler._due_calls() == 1
+            now[0] = 100.5    # overdue: no longer waited for
             assert scheduler._due_calls() == 0
             now[0] = 200.0    # quiet for long: forgotten
             assert scheduler._due_calls() == 0 and "s" not in scheduler._returns
+            # A session that comes straight back (a round trip of 3 ms) is due right after its call.
+            scheduler._returns["fast"] = (200.0, 0.003)
+            assert scheduler._due_calls() == 1
             # A session with no learned gap is never waited for: a single stream pays nothing.
+            scheduler._returns.clear()
             scheduler._returns["new"] = (200.0, 0.0)
-            now[0] = 200.01
             assert scheduler._due_calls() == 0
+            # The window is at most a tenth of a forward: fast forwards wait less.
+            scheduler.forwards, scheduler._step_s = 10, 0.02
+            assert scheduler._window_s() == pytest.approx(0.002)
     finally:
         scheduler.close()
 

@@ -150,3 +150,12 @@ async def test_a_slow_draft_drops_the_default_policy_to_target_only() -> None:
         assert sum(1 for k in after if k > 0) <= len(after) // 16 + 1, ks  # only the probes draft
     finally:
         await stack.close()
+
+
+def test_target_calibration_measures_load_points_even_on_a_tight_budget() -> None:
+    model = load_model("tiny:seed=0").model
+    curve = measure_cost_curve(model, 260, max_tokens=5, contexts=(8,), budget_s=1e-9, load_tokens=(16, 32))
+    # The end points and the largest batched row count always; the rest only within budget.
+    assert {t for t, _, _ in curve.points} == {1, 5, 32}
+    full = measure_cost_curve(model, 260, max_tokens=3, contexts=(8,), budget_s=30, load_tokens=(16, 32))
+    assert [t for t, _ in full.rows_curve()] == [1, 2, 3, 16, 32]

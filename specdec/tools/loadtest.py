@@ -118,7 +118,14 @@ async def run_load(address: str, concurrency: int, requests: int, max_new_tokens
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="specdec loadtest", description=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--sweep" or a.startswith("--sweep=") for a in argv):
+        from specdec.tools.loadsweep import main as sweep_main  # concurrency sweep, spec vs target-only
+        sweep_main(argv)
+        return
+    parser = argparse.ArgumentParser(prog="specdec loadtest", description=__doc__,
+                                     epilog="--sweep 1,2,4,8 [...]: concurrency sweep on the pair (specdec loadtest "
+                                            "--sweep 1 --help for its options)")
     parser.add_argument("--address", default="127.0.0.1:50051")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=128)
