@@ -64,7 +64,10 @@ async def test_sessions_stick_to_replicas_and_moved_sessions_are_re_prefilled() 
         before = {sid: pool.ring.node_for(sid) for sid in sessions}
         pool.set_addresses([addr(t) for t in targets])
         moved = {sid for sid in sessions if pool.ring.node_for(sid) != before[sid]}
-        assert 0 < len(moved) < len(sessions) / 2
+        # About a third should move to the new replica; the ports (hence the ring) are random, so
+        # with 16 sessions the count varies (binomial): bound it loosely. The ring's own balance is
+        # checked with many keys above.
+        assert 0 < len(moved) <= 3 * len(sessions) // 4
         for sid in sessions:
             prompt, out = first[sid]
             reply = await stub.Generate(request(prompt_ids=[9, 9], max_new_tokens=8, session_id=sid,
