@@ -30,7 +30,12 @@ def _domain_error(role: str, address: str, err: grpc.aio.AioRpcError) -> Specdec
     # Anything else (INTERNAL, UNKNOWN, UNIMPLEMENTED, UNAUTHENTICATED, ...) is a bug or a
     # misconfiguration: retrying will not fix it and the worker is not down.
     cls = _ERRORS.get(err.code(), WorkerInternalError)
-    return cls(f"{role} worker at {address}: {err.code().name}: {err.details()}")
+    error = cls(f"{role} worker at {address}: {err.code().name}: {err.details()}")
+    # A worker's full queue says when to come back; the caller of the orchestrator gets the same hint.
+    for key, value in err.trailing_metadata() or ():
+        if key == "retry-after-ms" and str(value).isdigit():
+            error.retry_after_ms = int(value)  # type: ignore[attr-defined]
+    return error
 
 
 class EmulatedLatency(grpc.aio.UnaryUnaryClientInterceptor):

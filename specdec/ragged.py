@@ -49,6 +49,13 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return "no .model.layers / .lm_head"
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
         return "sliding-window layers"
+    if getattr(config, "sliding_window", None) and (model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+        return "sliding-window attention"  # the model's own forward masks it; the ragged mask would not
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type in ("dynamic", "longrope"):
+        # Their frequencies depend on the longest position in the forward: batching would change them.
+        return f"rope type {rope_type!r}"
     if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
         return f"attention implementation {config._attn_implementation!r}"
     for layer in inner.layers:

@@ -230,6 +230,8 @@ def drive(steps: Generator[Any, Any, R], respond: Callable[[Any], Any]) -> R:
             request = steps.send(respond(request))
     except StopIteration as stop:
         return stop.value
+    finally:
+        steps.close()  # after an error in respond(): runs the call's cleanup (unpins its session)
 
 
 def propose_tokens(first_logits: torch.Tensor, feed: Callable[[int], torch.Tensor], k: int,

@@ -218,9 +218,12 @@ class BatchScheduler:
         admitted: list[_Job] = []
         busy = {j.session_id for j in self._active}
         kept: collections.deque[_Job] = collections.deque()
+        now = self._clock()
         while self._waiting:
             job = self._waiting.popleft()
-            if len(self._active) < self.limits.max_batch and job.session_id not in busy:
+            if job.future.cancelled() or (job.deadline is not None and now >= job.deadline):
+                admitted.append(job)  # _start drops it (cancelled) or fails it (deadline); frees its queue place
+            elif len(self._active) < self.limits.max_batch and job.session_id not in busy:
                 self._active.append(job)
                 admitted.append(job)
                 busy.add(job.session_id)
@@ -236,7 +239,7 @@ class BatchScheduler:
     def _start(self, job: _Job) -> None:
         now = self._clock()
         if job.future.cancelled():
-            self._finish(job)
+            self._retire(job)
             return
         if job.deadline is not None and now >= job.deadline:
             self.expired += 1
@@ -332,7 +335,12 @@ class BatchScheduler:
             if job in self._active:
                 self._active.remove(job)
             previous = self._returns.get(job.session_id)
-            self._returns[job.session_id] = (self._clock(), previous[1] if previous else 0.0)
+            now = self._clock()
+            self._returns[job.session_id] = (now, previous[1] if previous else 0.0)
+            if len(self._returns) > 4 * (self.limits.max_batch + self.limits.max_queue):
+                for sid, (ended, gap) in list(self._returns.items()):  # bounded: forget quiet sessions
+                    if now - ended > max(10 * gap, 2.0):
+                        del self._returns[sid]
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ load

@@ -37,6 +37,10 @@ class ForwardStep:
     session: WorkerSession
     tokens: list[int]
     logits_rows: int = 0
+    # Crop the session's cache to this many tokens right before the forward (-1: keep it). Done at
+    # forward time, not at admission, so that a call cancelled while it waits leaves the cache as it
+    # was: a commit is applied together with its forward or not at all.
+    crop_to: int = -1
 
 
 # What an engine call is: a generator of forward steps that returns the call's result.
@@ -156,6 +160,9 @@ class WorkerCore:
     def feed_many(self, steps: Sequence[ForwardStep]) -> list[torch.Tensor]:
         """Run several sessions' steps as one ragged forward (one step, or no ragged support: alone).
         Each session appears at most once (the scheduler runs one call per session at a time)."""
+        for step in steps:
+            if step.crop_to >= 0:
+                self.truncate(step.session, step.crop_to)
         if len(steps) == 1 or self._ragged is None:
             return [self.feed(s.session, s.tokens, s.logits_rows) for s in steps]
         from specdec.ragged import RaggedItem
@@ -217,10 +224,10 @@ class WorkerCore:
         self._reserve(session_id, total)
         self.store.pin(session_id)
         try:
-            self.truncate(session, keep)
             stats.prefilled_tokens = len(commit.append_tokens)
             self.counters.prefilled_tokens += stats.prefilled_tokens
-            logits = yield ForwardStep(session, feed_tokens + list(extra_tokens), len(extra_tokens) + 1)
+            logits = yield ForwardStep(session, feed_tokens + list(extra_tokens), len(extra_tokens) + 1,
+                                       crop_to=keep)
         except BaseException:
             self.store.unpin(session_id)
             raise
@@ -234,7 +241,7 @@ class WorkerCore:
     def run_alone(self, steps: CallSteps) -> Any:
         """Run a call's steps, each as its own forward (no scheduler: tools, tests)."""
         from specdec.sampling import drive
-        return drive(steps, lambda step: self.feed(step.session, step.tokens, step.logits_rows))
+        return drive(steps, lambda step: self.feed_many([step])[0])
 
     def _reserve(self, session_id: str, total_tokens: int) -> None:
         """Make room in the byte budget for this session growing to total_tokens (evicting LRU others)."""

@@ -3,7 +3,9 @@ a bounded mixed load with cancellations and a draft restart. Real gRPC servers o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import time
 
 import grpc
 import pytest
@@ -19,6 +21,18 @@ from tests.stack import cancel_stream_after, request, start_stack, start_worker,
 from tests.test_e2e_generate import reference_greedy
 
 PROMPTS = [[random.Random(i).randrange(3, 250) for _ in range(4 + 3 * i)] for i in range(8)]
+
+
+@contextlib.contextmanager
+def slow_solo_forwards(model: torch.nn.Module, ms: float):
+    """A forward of one call alone (the model's own forward) takes at least `ms`; batched forwards
+    (ragged, which does not go through the model's forward) do not. Calls sent together then surely
+    overlap a forward and meet in the next one, however fast or loaded the machine is."""
+    handle = model.register_forward_pre_hook(lambda module, args: time.sleep(ms / 1000.0))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 # ----------------------------------------------------------------------------- the ragged forward
@@ -61,6 +75,13 @@ def test_unsupported_architectures_run_one_forward_per_step() -> None:
     core = WorkerCore(loaded, "target")
     assert core.ragged_unsupported is None
     model = load_model("tiny:seed=0").model
+    # Attention the ragged mask or rotary table would get wrong is refused, not approximated.
+    model.config.sliding_window, model.config.use_sliding_window = 64, True
+    assert "sliding" in unsupported_reason(model)
+    model.config.use_sliding_window = False
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    assert "dynamic" in unsupported_reason(model)
+    model.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
     model.config.model_type = "gpt_neox"  # not a Llama-shaped decoder as far as ragged.py knows
     assert "not one of" in unsupported_reason(model)
     loaded_copy = type(loaded)(loaded.ref, model, loaded.tokenizer, loaded.vocab_size, loaded.max_context,
@@ -84,8 +105,9 @@ async def test_concurrent_streams_are_token_identical_to_each_alone(speculation:
     try:
         alone = [reference_greedy(p, 24) for p in PROMPTS]
         forwards_before = stack.target.scheduler.forwards
-        replies = await asyncio.gather(*(stack.generate(prompt_ids=p, max_new_tokens=24, speculation=speculation)
-                                         for p in PROMPTS))
+        with slow_solo_forwards(stack.target.core.model, 30):
+            replies = await asyncio.gather(*(stack.generate(prompt_ids=p, max_new_tokens=24,
+                                                            speculation=speculation) for p in PROMPTS))
         assert [list(r.token_ids) for r in replies] == alone
         # The streams really shared forwards on the target.
         target = stack.target.scheduler
@@ -106,7 +128,8 @@ async def test_worker_timing_reports_the_batch() -> None:
             commit = common_pb2.CacheCommit(append_tokens=PROMPTS[i])
             return await stub.Verify(worker_pb2.VerifyRequest(session_id=f"t{i}", commit=commit,
                                                               draft_tokens=[7, 8]), timeout=30)
-        replies = await asyncio.gather(*(verify(i) for i in range(6)))
+        with slow_solo_forwards(stack.target.core.model, 100):
+            replies = await asyncio.gather(*(verify(i) for i in range(6)))
         sizes = [r.timing.batch_sessions for r in replies]
         assert all(1.0 <= s <= 6.0 for s in sizes) and max(sizes) > 1.0, sizes
         assert all(r.timing.batch_rows >= len(PROMPTS[i]) + 2 for i, r in enumerate(replies))
@@ -115,6 +138,25 @@ async def test_worker_timing_reports_the_batch() -> None:
         assert info.max_batch == 8 and info.batching == "ragged"
     finally:
         await stack.close()
+
+
+def test_a_call_cancelled_before_its_forward_leaves_the_cache_as_it_was() -> None:
+    """The commit's crop happens with its forward: a call dropped while it waits changes nothing."""
+    from specdec.contract import Commit, prefix_hash
+    from target_worker.engine import TargetEngine, VerifyParams
+    from specdec.contract import SamplingConfig
+    core = WorkerCore(load_model("tiny:seed=0"), "target")
+    engine = TargetEngine(core)
+    prompt = [5, 6, 7, 8, 9]
+    engine.verify(VerifyParams("s", Commit(0, 0, tuple(prompt)), (), (), SamplingConfig()))
+    held = list(core.session_tokens("s"))
+    # Keep 3 tokens and verify: the call is admitted (checks, pin) and then dropped before its forward.
+    steps = engine.verify_steps(VerifyParams("s", Commit(3, prefix_hash(held[:3]), ()), (11,), (), SamplingConfig()))
+    step = next(steps)
+    assert step.crop_to == 2 and step.tokens == [held[2], 11]
+    steps.close()
+    assert core.session_tokens("s") == held and core.store._slots["s"].pinned == 0
+    assert core.store.get("s").cache.get_seq_length() == len(held)
 
 
 # ----------------------------------------------------------------------------- limits
@@ -130,7 +172,8 @@ async def test_a_full_worker_queue_answers_resource_exhausted_with_a_retry_hint(
         calls = [stub.Verify(worker_pb2.VerifyRequest(session_id=f"s{i}", draft_tokens=[5],
                                                       commit=common_pb2.CacheCommit(append_tokens=long_prompt)),
                              timeout=60) for i in range(8)]
-        results = await asyncio.gather(*(c for c in calls), return_exceptions=True)
+        with slow_solo_forwards(servicer.core.model, 300):
+            results = await asyncio.gather(*(c for c in calls), return_exceptions=True)
         refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
         assert refused and all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused), results
         assert len(refused) < len(results)  # the running and the queued call were served
@@ -210,5 +253,19 @@ async def test_mixed_load_with_cancellations_and_a_draft_restart_loses_nothing()
         else:
             pytest.fail("never speculated again after the draft restart")
         assert stack.target.scheduler.snapshot().active == 0 and stack.target.scheduler.snapshot().waiting == 0
+    finally:
+        await stack.close()
+
+
+async def test_the_retry_hint_reaches_the_orchestrators_caller() -> None:
+    stack = await start_stack(batch=BatchLimits(max_batch=1, max_queue=0))
+    try:
+        with slow_solo_forwards(stack.target.core.model, 200):
+            results = await asyncio.gather(*(stack.generate(prompt_ids=p, max_new_tokens=4, speculation={"fixed_k": 0})
+                                             for p in PROMPTS[:4]), return_exceptions=True)
+        refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        assert refused and all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused), results
+        assert int(dict(list(refused[0].trailing_metadata() or ()))["retry-after-ms"]) > 0
+        assert "target worker" in refused[0].details()
     finally:
         await stack.close()

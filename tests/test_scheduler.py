@@ -171,10 +171,10 @@ def test_deadline_expiring_in_the_queue_or_between_steps_stops_the_call(forward)
     log: list = []
     try:
         forward.hold()
-        running, _ = scheduler.submit("a", call("a", steps=3, log=log), timeout_s=0.2)
+        running, _ = scheduler.submit("a", call("a", steps=3, log=log), timeout_s=2.0)
         assert forward.entered.wait(WAIT_S)
-        waiting, _ = scheduler.submit("b", call("b", log=log), timeout_s=0.05)
-        threading.Event().wait(0.3)  # both deadlines pass while the forward is held
+        waiting, _ = scheduler.submit("b", call("b", log=log), timeout_s=0.1)
+        threading.Event().wait(2.2)  # both deadlines pass while the forward is held
         forward.gate.set()
         with pytest.raises(DeadlineExceeded):
             running.result(WAIT_S)
@@ -288,13 +288,39 @@ def test_window_waits_only_for_sessions_that_are_due() -> None:
         scheduler.close()
 
 
-def test_utilisation_is_the_busy_fraction(forward) -> None:
-    scheduler = make_scheduler(forward)
+def test_utilisation_is_the_busy_fraction() -> None:
+    now = [0.0]
+
+    def forward(steps):  # each forward takes one (fake) second
+        now[0] += 1.0
+        return [0] * len(steps)
+    scheduler = BatchScheduler(forward, BatchLimits(window_ms=0.0), clock=lambda: now[0], utilisation_window_s=5.0)
     try:
         for i in range(3):
             scheduler.submit(f"s{i}", call(f"s{i}"))[0].result(WAIT_S)
-        snap = scheduler.snapshot()
-        assert 0.0 <= snap.utilisation <= 1.0 and snap.active == 0 and snap.waiting == 0
-        assert snap.mean_batch >= 1.0
+        busy = scheduler.snapshot()
+        assert busy.utilisation == pytest.approx(1.0) and busy.active == 0 and busy.waiting == 0
+        assert busy.mean_batch == pytest.approx(1.0)
+        now[0] += 2.0  # t = 5: busy 3 s of the last 5
+        assert scheduler.snapshot().utilisation == pytest.approx(0.6)
+        now[0] += 5.0  # idle for a whole window
+        assert scheduler.snapshot().utilisation == pytest.approx(0.0)
+    finally:
+        scheduler.close()
+
+
+def test_cancelled_or_expired_waiting_calls_free_their_queue_place(forward) -> None:
+    scheduler = make_scheduler(forward, max_batch=1, max_queue=1)
+    try:
+        forward.hold()
+        running, _ = scheduler.submit("a", call("a", steps=2))
+        assert forward.entered.wait(WAIT_S)
+        queued, _ = scheduler.submit("b", call("b"))
+        assert queued.cancel()
+        forward.gate.set()
+        running.result(WAIT_S)
+        # "b" was dropped without running; the queue takes calls again.
+        assert scheduler.submit("c", call("c"))[0].result(WAIT_S) == [1]
+        assert not any("b" in batch for batch in forward.batches)
     finally:
         scheduler.close()
