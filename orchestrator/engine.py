@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from orchestrator.api import EngineLimits, GenerateParams, GenerationEvent, GenerationStats
 from orchestrator.backends import DraftBackend, TargetBackend, WorkerDescription
 from orchestrator.config import SpeculationConfig
-from orchestrator.kpolicy import SessionStats
+from orchestrator.kpolicy import SessionStats, TargetLoad
 from orchestrator.record import RoundObserver, RoundRecord
 from orchestrator.rounds import Deadline, DraftHealth, Round, Workers
 from orchestrator.sessions import OrchestratorSession, OrchestratorSessions
@@ -153,7 +153,12 @@ class GenerationEngine:
         return f"{self._replica(self.draft, 'draft', session_id)}|{self._replica(self.target, 'target', session_id)}"
 
     def prior_for(self, session_id: str) -> SessionStats:
-        return _bounded_entry(self.priors, self.pair_key(session_id), lambda: copy.deepcopy(self.seed_stats))
+        return _bounded_entry(self.priors, self.pair_key(session_id), self._new_prior)
+
+    def _new_prior(self) -> SessionStats:
+        prior = copy.deepcopy(self.seed_stats)
+        prior.timing.load = self.seed_stats.timing.load.fresh()  # one live load per worker pair
+        return prior
 
     def _input_tokens(self, session: OrchestratorSession, params: GenerateParams) -> list[int]:
         """Canonical token list after appending this request's input to the session."""
@@ -265,7 +270,7 @@ def seeded_stats(draft: WorkerDescription | None, target: WorkerDescription, max
     verify = {k: ms for k in range(0, max_k + 1) if (ms := target.forward_costs.ms(k + 1)) is not None}
     draft_ms = draft.forward_costs.ms(1) if draft is not None else None
     stats.timing.seed(draft_ms, verify)
-    stats.timing.target_curve = target.forward_costs.rows_curve()
+    stats.timing.load = TargetLoad(target.forward_costs.rows_curve())
     return stats
 
 

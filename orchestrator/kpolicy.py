@@ -55,6 +55,27 @@ class DecayingLine:
 
 
 @dataclass
+class TargetLoad:
+    """The target's load and its forward cost over token rows, as one worker pair sees them.
+
+    Shared, not copied: every session of a pair holds the same object (deepcopy returns it), so
+    each verify of every session updates the load that all of them price k with, and a session that
+    starts while the target is busy knows it from its first round. `fresh()` starts a new pair's."""
+    target_curve: tuple[tuple[int, float], ...] = ()  # (rows, ms): the target's startup calibration
+    target_batch: Ewma = field(default_factory=lambda: Ewma(0.3, 1.0))  # sessions per forward + queued calls
+    # The same curve as measured in service: every verify reports the rows of its forward and its
+    # time. Where a row count has been seen, it wins over the startup figure, which knows nothing of
+    # prefills sharing the forward, per-session attention, or a co-located draft's load.
+    observed_rows: dict[int, Ewma] = field(default_factory=dict)
+
+    def __deepcopy__(self, memo: dict) -> "TargetLoad":
+        return self
+
+    def fresh(self) -> "TargetLoad":
+        return TargetLoad(self.target_curve)
+
+
+@dataclass
 class TimingModel:
     """Measured round costs: t_draft per drafted token, t_verify(k) as a line in k, and rtt.
 
@@ -76,17 +97,16 @@ class TimingModel:
     # is memory-bound, linear once it is compute-bound). Each session prices its k as if every
     # session in the batch chose the same k: the cost of the rows it adds to everyone's forward is
     # then part of its own, and at saturation no k > 0 pays.
-    target_curve: tuple[tuple[int, float], ...] = ()  # (rows, ms): the target's startup calibration
-    target_batch: Ewma = field(default_factory=lambda: Ewma(0.3, 1.0))  # sessions per forward + waiting calls
-    # The same curve as measured in service: every verify reports the rows of its forward and its
-    # time. Where a row count has been seen, it wins over the startup figure, which knows nothing of
-    # prefills sharing the forward, per-session attention, or a co-located draft's load.
-    observed_rows: dict[int, Ewma] = field(default_factory=dict)
+    load: TargetLoad = field(default_factory=TargetLoad)
+
+    @property
+    def target_batch(self) -> Ewma:
+        return self.load.target_batch
 
     def rows_curve(self) -> list[tuple[int, float]]:
         """Startup points, replaced by in-service measurements near them; non-decreasing in rows."""
-        seen = {bucket: e.value for bucket, e in self.observed_rows.items()}
-        points = dict(p for p in self.target_curve if _rows_bucket(p[0]) not in seen)
+        seen = {bucket: e.value for bucket, e in self.load.observed_rows.items()}
+        points = dict(p for p in self.load.target_curve if _rows_bucket(p[0]) not in seen)
         points.update(seen)
         curve, highest = [], 0.0
         for rows in sorted(points):
@@ -97,10 +117,11 @@ class TimingModel:
     def observe_forward(self, rows: float, ms: float) -> None:
         if rows >= 1 and ms > 0:
             bucket = _rows_bucket(rows)
-            if bucket in self.observed_rows:
-                self.observed_rows[bucket].update(ms)
+            observed = self.load.observed_rows
+            if bucket in observed:
+                observed[bucket].update(ms)
             else:
-                self.observed_rows[bucket] = Ewma(0.3, ms, 1)
+                observed[bucket] = Ewma(0.3, ms, 1)
 
     def forward_ms(self, rows: float) -> float | None:
         """The target's forward cost over `rows` token rows (rows_curve): interpolated, extended past

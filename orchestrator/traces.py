@@ -36,6 +36,10 @@ class RoundTrace:
     # The draft's max probability per position considered, the quantity min_draft_prob compares
     # (empty in older traces: draft_probs stands in, which is the same for greedy).
     draft_confidences: list[float] = field(default_factory=list)
+    # The target's batching during the verify (1 / 0 / 0 in traces recorded before batching).
+    target_batch: float = 1.0
+    target_rows: float = 0.0
+    target_waiting: int = 0
 
     @property
     def pattern(self) -> list[int]:
@@ -60,7 +64,9 @@ class TraceWriter:
             verify_ms=round(record.verify_ms, 3), round_ms=round(record.round_ms, 3),
             draft_prefilled=record.draft_prefilled, target_prefilled=record.target_prefilled,
             greedy=record.greedy, fallback=record.fallback, draft_token_ms=round(record.draft_token_ms, 3),
-            draft_confidences=[round(p, 5) for p in record.draft_confidences]))
+            draft_confidences=[round(p, 5) for p in record.draft_confidences],
+            target_batch=round(record.target_batch, 2), target_rows=round(record.target_rows, 1),
+            target_waiting=record.target_waiting))
 
     def write(self, trace: RoundTrace) -> None:
         line = json.dumps(asdict(trace), separators=(",", ":"))

@@ -83,7 +83,7 @@ class LoadSnapshot:
     """The worker's load right now: the k policy lowers k as it grows."""
     utilisation: float = 0.0      # busy fraction of the model thread over the last few seconds
     active: int = 0
-    waiting: int = 0
+    waiting: int = 0              # calls beyond the free slots: true queueing, the saturation signal
     mean_batch: float = 0.0       # sessions per forward, recent mean
 
 
@@ -136,9 +136,7 @@ class BatchScheduler:
         with self._cond:
             if self._closed:
                 raise WorkerUnavailable("worker is shutting down")
-            # Calls that a free slot will take at once do not count as queued.
-            free = max(0, self.limits.max_batch - len(self._active))
-            if len(self._waiting) - free >= self.limits.max_queue:
+            if self._queued() >= self.limits.max_queue:
                 self.rejected += 1
                 retry_ms = self._retry_after_ms()
                 raise QueueFull(f"worker busy: {len(self._active)} calls in the batch and {len(self._waiting)} "
@@ -151,8 +149,13 @@ class BatchScheduler:
 
     def snapshot(self) -> LoadSnapshot:
         with self._cond:
-            return LoadSnapshot(self._utilisation(self._clock()), len(self._active), len(self._waiting),
+            return LoadSnapshot(self._utilisation(self._clock()), len(self._active), self._queued(),
                                 self._batch_ewma)
+
+    def _queued(self) -> int:
+        """Calls that the next forward cannot take: beyond the free slots (lock held). A call that
+        arrived during a forward and joins the next one is not queued."""
+        return max(0, len(self._waiting) - max(0, self.limits.max_batch - len(self._active)))
 
     def close(self, timeout_s: float = 5.0) -> None:
         with self._cond:

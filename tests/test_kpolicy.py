@@ -5,7 +5,7 @@ import pytest
 
 from orchestrator.config import SpeculationConfig
 from orchestrator.kpolicy import (CostModelPolicy, DecayingLine, FixedPolicy, HeuristicPolicy, SessionStats,
-                             expected_tokens, speedup_bound)
+                             TargetLoad, expected_tokens, speedup_bound)
 
 
 def stats_with(acceptance: float, draft_ms: float = 10.0, verify_base: float = 50.0, verify_slope: float = 2.0,
@@ -114,7 +114,7 @@ def loaded_stats(batch: float, waiting: int = 0) -> SessionStats:
     """A target whose forward is memory-bound (flat) up to 16 rows and compute-bound (linear) past it,
     as a CPU or GPU forward is; acceptance 0.8, a cheap draft."""
     s = stats_with(0.8, draft_ms=4.0)
-    s.timing.target_curve = ((1, 100.0), (9, 104.0), (16, 108.0), (32, 268.0), (64, 588.0))
+    s.timing.load = TargetLoad(((1, 100.0), (9, 104.0), (16, 108.0), (32, 268.0), (64, 588.0)))
     s.timing.seed(4.0, {k: 100.0 + 0.5 * k for k in range(9)})
     s.timing.target_batch.value = batch + waiting
     return s
@@ -176,3 +176,21 @@ def test_rows_measured_in_service_replace_the_startup_curve() -> None:
     s.timing.observe_forward(12, 50.0)
     values = [ms for _, ms in s.timing.rows_curve()]
     assert values == sorted(values)
+
+
+def test_sessions_of_a_pair_share_one_live_load() -> None:
+    import copy
+    prior = loaded_stats(1)
+    sessions = [copy.deepcopy(prior) for _ in range(3)]
+    sessions[0].timing.target_batch.update(8.0)
+    sessions[1].timing.observe_forward(32, 999.0)
+    # Every session (and the prior new sessions copy) sees the others' observations at once ...
+    assert all(s.timing.target_batch.value == prior.timing.target_batch.value > 1.0 for s in sessions)
+    assert all(dict(s.timing.rows_curve())[32] == 999.0 for s in sessions)
+    # ... while their own statistics stay their own.
+    sessions[2].acceptance.update(0.0)
+    assert prior.acceptance.value != sessions[2].acceptance.value
+    # A new worker pair starts from the calibration, not from another pair's load.
+    other = prior.timing.load.fresh()
+    assert other.target_batch.value == 1.0 and not other.observed_rows
+    assert other.target_curve == prior.timing.load.target_curve
