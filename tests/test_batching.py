@@ -269,3 +269,25 @@ async def test_the_retry_hint_reaches_the_orchestrators_caller() -> None:
         assert "target worker" in refused[0].details()
     finally:
         await stack.close()
+
+
+async def test_load_sweep_reports_both_modes_per_level(tmp_path) -> None:
+    from specdec.tools.loadsweep import markdown, plot, sweep
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02")
+    try:
+        levels, references = await sweep(stack.address, PROMPTS[:3], [1, 2], 1, 6, 60.0)
+    finally:
+        await stack.close()
+    assert [(lv.mode, lv.streams) for lv in levels] == [("speculative", 1), ("speculative", 2),
+                                                        ("target-only", 1), ("target-only", 2)]
+    assert all(lv.errors == {} and lv.mismatches == 0 and lv.tokens == 6 * lv.streams for lv in levels)
+    assert all(len(lv.ttft_ms) == lv.streams for lv in levels)
+    # One gap per token after the first; target-only streams one token per chunk, a speculative round
+    # several (the first chunk's extra tokens come with the first token and have no gap of their own).
+    assert all(len(lv.itl_ms) == 5 * lv.streams for lv in levels if lv.mode == "target-only")
+    assert all(0 < len(lv.itl_ms) <= 5 * lv.streams for lv in levels if lv.mode == "speculative")
+    assert references == {i: reference_greedy(p, 6) for i, p in enumerate(PROMPTS[:3])}
+    table = markdown(levels)
+    assert table.count("| speculative |") == 2 and "speculative / target-only at the same load" in table
+    plot(levels, tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 0

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.tools.loadtest import make_request, percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,22 +53,10 @@ class Level:
                 "wall_s": round(self.wall_s, 1)}
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 async def _one(stub: Any, prompt_ids: list[int], max_new: int, fixed_k: int | None, timeout_s: float,
                level: Level) -> list[int] | None:
     import grpc
-
-    from specdec.v1 import orchestrator_pb2
-    req = orchestrator_pb2.GenerateRequest(max_new_tokens=max_new)
-    req.prompt_ids.ids.extend(prompt_ids)
-    if fixed_k is not None:
-        req.speculation.fixed_k = fixed_k
+    req = make_request(prompt_ids, max_new, fixed_k)
     ids: list[int] = []
     start = last = time.perf_counter()
     try:

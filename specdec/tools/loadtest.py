@@ -35,23 +35,25 @@ class LoadReport:
     draft_tokens: int = 0
     accepted_tokens: int = 0
 
-    def percentile(self, values: list[float], q: float) -> float:
-        if not values:
-            return 0.0
-        ordered = sorted(values)
-        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
     def summary(self) -> dict:
         return {
             "requests": self.requests, "ok": self.ok, "mismatches": self.mismatches,
-            "errors": dict(self.errors), "p50_ms": round(self.percentile(self.latencies_ms, 0.5), 1),
-            "p99_ms": round(self.percentile(self.latencies_ms, 0.99), 1),
-            "ttft_p50_ms": round(self.percentile(self.first_token_ms, 0.5), 1),
+            "errors": dict(self.errors), "p50_ms": round(percentile(self.latencies_ms, 0.5), 1),
+            "p99_ms": round(percentile(self.latencies_ms, 0.99), 1),
+            "ttft_p50_ms": round(percentile(self.first_token_ms, 0.5), 1),
             "mean_ms": round(statistics.fmean(self.latencies_ms), 1) if self.latencies_ms else 0.0,
             "tokens_per_s": round(self.tokens / self.wall_s, 1) if self.wall_s else 0.0,
             "wall_s": round(self.wall_s, 2),
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
         }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def prompts_for(count: int, seed: int, vocab_hint: int) -> list[list[int]]:
