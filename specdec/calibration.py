@@ -40,8 +40,8 @@ def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int,
                        load_tokens: tuple[int, ...] = ()) -> CostCurve:
     """Median ms of a forward over t new tokens on top of c cached ones, for t in 1..max_tokens.
 
-    `load_tokens`: larger row counts, measured last and at the first context only, within budget:
-    a batch of B sessions at k drafts is a forward of about B*(k+1) rows, and the orchestrator prices
+    `load_tokens`: larger row counts, measured at the first context only, right after its end points
+    (the largest always, the rest within budget). A batch of B sessions at k drafts is a forward of about B*(k+1) rows, and the orchestrator prices
     load with them."""
     if budget_s <= 0:
         return CostCurve()

@@ -138,10 +138,7 @@ class CostCurve:
     def ms(self, tokens: int) -> float | None:
         """Cost of a forward over `tokens` at the shortest measured context: measured, or linearly
         interpolated between the nearest measured token counts; None beyond the measured range."""
-        if not self.points:
-            return None
-        context = min(c for _, c, _ in self.points)
-        curve = sorted((t, ms) for t, c, ms in self.points if c == context)
+        curve = self.rows_curve()
         for (t0, m0), (t1, m1) in zip(curve, curve[1:]):
             if t0 <= tokens <= t1:
                 return m0 + (m1 - m0) * (tokens - t0) / (t1 - t0) if t1 > t0 else m0
