@@ -9,6 +9,7 @@ estimates (acceptance, per-k costs, RTTs, bonus match); one module keeps them co
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -74,6 +75,35 @@ class TargetLoad:
     def fresh(self) -> "TargetLoad":
         return TargetLoad(self.target_curve)
 
+    def rows_curve(self) -> list[tuple[float, float]]:
+        """Startup points, replaced by in-service measurements near them; non-decreasing in rows."""
+        seen = {bucket: e.value for bucket, e in self.observed_rows.items()}
+        points = {rows: ms for rows, ms in self.target_curve if _rows_bucket(rows) not in seen}
+        points.update(seen)
+        return _running_max(points.items())
+
+    def observe_forward(self, rows: float, ms: float) -> None:
+        if rows >= 1 and ms > 0:
+            bucket = _rows_bucket(rows)
+            if bucket in self.observed_rows:
+                self.observed_rows[bucket].update(ms)
+            else:
+                self.observed_rows[bucket] = Ewma(0.3, ms, 1)
+
+    def forward_ms(self, rows: float) -> float | None:
+        """The target's forward cost over `rows` token rows (rows_curve): interpolated, extended past
+        the largest known count by the last segment's slope; None with fewer than two points."""
+        curve = self.rows_curve()
+        if len(curve) < 2:
+            return None
+        if rows <= curve[0][0]:
+            return curve[0][1]
+        within = _interpolate(curve, rows)
+        if within is not None:
+            return within
+        (r0, m0), (r1, m1) = curve[-2], curve[-1]
+        return m1 + max(0.0, (m1 - m0) / (r1 - r0)) * (rows - r1)
+
 
 @dataclass
 class TimingModel:
@@ -99,50 +129,12 @@ class TimingModel:
     # then part of its own, and at saturation no k > 0 pays.
     load: TargetLoad = field(default_factory=TargetLoad)
 
-    @property
-    def target_batch(self) -> Ewma:
-        return self.load.target_batch
-
-    def rows_curve(self) -> list[tuple[int, float]]:
-        """Startup points, replaced by in-service measurements near them; non-decreasing in rows."""
-        seen = {bucket: e.value for bucket, e in self.load.observed_rows.items()}
-        points = dict(p for p in self.load.target_curve if _rows_bucket(p[0]) not in seen)
-        points.update(seen)
-        curve, highest = [], 0.0
-        for rows in sorted(points):
-            highest = max(highest, points[rows])
-            curve.append((rows, highest))
-        return curve
-
-    def observe_forward(self, rows: float, ms: float) -> None:
-        if rows >= 1 and ms > 0:
-            bucket = _rows_bucket(rows)
-            observed = self.load.observed_rows
-            if bucket in observed:
-                observed[bucket].update(ms)
-            else:
-                observed[bucket] = Ewma(0.3, ms, 1)
-
-    def forward_ms(self, rows: float) -> float | None:
-        """The target's forward cost over `rows` token rows (rows_curve): interpolated, extended past
-        the largest known count by the last segment's slope; None with fewer than two points."""
-        curve = self.rows_curve()
-        if len(curve) < 2:
-            return None
-        if rows <= curve[0][0]:
-            return curve[0][1]
-        for (r0, m0), (r1, m1) in zip(curve, curve[1:]):
-            if rows <= r1:
-                return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)
-        (r0, m0), (r1, m1) = curve[-2], curve[-1]
-        return m1 + max(0.0, (m1 - m0) / (r1 - r0)) * (rows - r1)
-
     def load_factor(self, k: int, batch: float | None = None) -> float:
         """How much a verify at k costs at the current load relative to alone: T(B(k+1)) / T(k+1)."""
-        batch = self.target_batch.value if batch is None else batch
+        batch = self.load.target_batch.value if batch is None else batch
         if batch <= 1.0:
             return 1.0
-        alone, loaded = self.forward_ms(k + 1), self.forward_ms(batch * (k + 1))
+        alone, loaded = self.load.forward_ms(k + 1), self.load.forward_ms(batch * (k + 1))
         if alone is None or loaded is None or alone <= 0:
             return 1.0
         return max(1.0, loaded / alone)
@@ -162,19 +154,15 @@ class TimingModel:
         """
         if not self.verify_by_k:
             return self.verify_line(k)
-        envelope, highest = [], 0.0
-        for j in sorted(self.verify_by_k):
-            highest = max(highest, self.verify_by_k[j].value)
-            envelope.append((j, highest))
-        slope = self.verify_line.slope
+        envelope = _running_max((j, e.value) for j, e in self.verify_by_k.items())
         first_k, first_ms = envelope[0]
         if k <= first_k:
             return first_ms * (k + 1) / (first_k + 1)
-        for (k0, ms0), (k1, ms1) in zip(envelope, envelope[1:]):
-            if k <= k1:
-                return ms0 + (ms1 - ms0) * (k - k0) / (k1 - k0)
+        within = _interpolate(envelope, k)
+        if within is not None:
+            return within
         last_k, last_ms = envelope[-1]
-        return last_ms + slope * (k - last_k)
+        return last_ms + self.verify_line.slope * (k - last_k)
 
     def seed(self, draft_ms_per_token: float | None, verify_ms_by_k: dict[int, float]) -> None:
         """Start from a worker's own measured cost curve (self-calibration) instead of the defaults."""
@@ -193,9 +181,9 @@ class TimingModel:
     def observe_verify(self, k: int, compute_ms: float, rows: float = 0.0) -> None:
         """A verify's compute time, measured in a forward of `rows` rows (0: alone), stored as what
         it would have cost alone, so that the per-k costs do not mix load with k."""
-        alone, batched = self.forward_ms(k + 1), self.forward_ms(rows) if rows > k + 1 else None
+        alone, batched = self.load.forward_ms(k + 1), self.load.forward_ms(rows) if rows > k + 1 else None
         if rows >= k + 1:
-            self.observe_forward(rows, compute_ms)
+            self.load.observe_forward(rows, compute_ms)
         if alone and batched:
             compute_ms *= min(1.0, alone / batched)
         self.verify_line.update(k, compute_ms)
@@ -236,7 +224,7 @@ class SessionStats:
                 self.timing.observe_draft(1, record.draft_token_ms)
             if record.target_prefilled <= 1:
                 self.timing.observe_verify(record.drafted, record.verify_ms, record.target_rows)
-            self.timing.target_batch.update(max(1.0, record.target_batch) + record.target_waiting)
+            self.timing.load.target_batch.update(max(1.0, record.target_batch) + record.target_waiting)
             self.timing.observe_rtt(record.verify_wall_ms - record.verify_ms)
             if record.draft_wall_ms > 0 and record.draft_ms > 0:
                 self.timing.observe_draft_rtt(record.draft_wall_ms - record.draft_ms)
@@ -395,6 +383,23 @@ class BanditPolicy:
             if value + bonus > best_score:
                 best_k, best_score = k, value + bonus
         return best_k
+
+
+def _running_max(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points sorted by x, each y raised to the largest before it: a non-decreasing cost curve."""
+    curve, highest = [], 0.0
+    for x, y in sorted(points):
+        highest = max(highest, y)
+        curve.append((x, highest))
+    return curve
+
+
+def _interpolate(curve: list[tuple[float, float]], x: float) -> float | None:
+    """Linear between the two points of `curve` (sorted by x) around x; None outside its range."""
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
 
 
 _ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128, 192, 256)

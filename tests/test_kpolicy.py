@@ -116,7 +116,7 @@ def loaded_stats(batch: float, waiting: int = 0) -> SessionStats:
     s = stats_with(0.8, draft_ms=4.0)
     s.timing.load = TargetLoad(((1, 100.0), (9, 104.0), (16, 108.0), (32, 268.0), (64, 588.0)))
     s.timing.seed(4.0, {k: 100.0 + 0.5 * k for k in range(9)})
-    s.timing.target_batch.value = batch + waiting
+    s.timing.load.target_batch.value = batch + waiting
     return s
 
 
@@ -134,7 +134,7 @@ def test_load_factor_follows_the_curve() -> None:
     s = loaded_stats(4)
     assert s.timing.load_factor(0) == pytest.approx(101.5 / 100.0)   # 4 rows: still flat
     assert s.timing.load_factor(7) == pytest.approx(268.0 / 104.0, rel=0.01)             # 32 rows
-    assert s.timing.forward_ms(128) == pytest.approx(588.0 + 10.0 * 64)                   # extended
+    assert s.timing.load.forward_ms(128) == pytest.approx(588.0 + 10.0 * 64)                   # extended
     assert loaded_stats(1).timing.load_factor(7) == 1.0
     assert SessionStats().timing.load_factor(3, batch=8) == 1.0  # no curve: no load pricing
 
@@ -154,7 +154,7 @@ def test_round_records_feed_the_load_estimate() -> None:
                          target_batch=6.0, target_rows=24.0, target_waiting=2)
     for _ in range(20):
         s.observe(record)
-    assert s.timing.target_batch.value == pytest.approx(8.0, rel=0.01)
+    assert s.timing.load.target_batch.value == pytest.approx(8.0, rel=0.01)
     # A fixed k ignores load: every request can still pin its own k.
     assert FixedPolicy(5).next_k(s, 0, 8) == 5
 
@@ -167,14 +167,14 @@ def test_rows_measured_in_service_replace_the_startup_curve() -> None:
     # (prefills sharing them, a co-located draft): the same load now prices speculation out.
     for rows, ms in ((8, 110.0), (16, 300.0), (24, 450.0), (32, 600.0), (40, 750.0), (48, 900.0), (64, 1200.0)):
         for _ in range(5):
-            s.timing.observe_forward(rows, ms)
-    assert dict(s.timing.rows_curve())[32] == pytest.approx(600.0, rel=0.01)
-    assert s.timing.forward_ms(1) == pytest.approx(100.0)    # not observed: the startup point stays
-    assert s.timing.forward_ms(9) == pytest.approx(110.0)    # ... lifted to stay monotone
+            s.timing.load.observe_forward(rows, ms)
+    assert dict(s.timing.load.rows_curve())[32] == pytest.approx(600.0, rel=0.01)
+    assert s.timing.load.forward_ms(1) == pytest.approx(100.0)    # not observed: the startup point stays
+    assert s.timing.load.forward_ms(9) == pytest.approx(110.0)    # ... lifted to stay monotone
     assert CostModelPolicy(probe_every=0).next_k(s, 0, 8) == 0
     # The curve stays non-decreasing whatever the measurements say.
-    s.timing.observe_forward(12, 50.0)
-    values = [ms for _, ms in s.timing.rows_curve()]
+    s.timing.load.observe_forward(12, 50.0)
+    values = [ms for _, ms in s.timing.load.rows_curve()]
     assert values == sorted(values)
 
 
@@ -182,11 +182,11 @@ def test_sessions_of_a_pair_share_one_live_load() -> None:
     import copy
     prior = loaded_stats(1)
     sessions = [copy.deepcopy(prior) for _ in range(3)]
-    sessions[0].timing.target_batch.update(8.0)
-    sessions[1].timing.observe_forward(32, 999.0)
+    sessions[0].timing.load.target_batch.update(8.0)
+    sessions[1].timing.load.observe_forward(32, 999.0)
     # Every session (and the prior new sessions copy) sees the others' observations at once ...
-    assert all(s.timing.target_batch.value == prior.timing.target_batch.value > 1.0 for s in sessions)
-    assert all(dict(s.timing.rows_curve())[32] == 999.0 for s in sessions)
+    assert all(s.timing.load.target_batch.value == prior.timing.load.target_batch.value > 1.0 for s in sessions)
+    assert all(dict(s.timing.load.rows_curve())[32] == 999.0 for s in sessions)
     # ... while their own statistics stay their own.
     sessions[2].acceptance.update(0.0)
     assert prior.acceptance.value != sessions[2].acceptance.value
