@@ -60,6 +60,11 @@ class SpeculationConfig:
         "output is even the serial one token for token. Pays "
         "where draft and target run on different devices or nodes; off by default because on one "
         "shared CPU the two forwards compete for the same cores. Per request: `speculation.pipeline`."))
+    overlap_prefill: bool = field(default=True, metadata=_doc(
+        "The first round of a turn runs target-only while the draft prefills the new prompt beside it "
+        "and pre-drafts round 2 (its first token a guess of the target's), instead of the target "
+        "waiting for the draft's prefill: the first token comes as soon as target-only's would. "
+        "Only for adaptive policies that may pick k = 0 (min_k = 0): never under the `fixed` policy."))
     heuristic_initial_k: int = field(default=4, metadata=_doc("First k of the `heuristic` policy."))
     probe_every: int = field(default=16, metadata=_doc(
         "`cost` policy: after this many target-only rounds, draft one token to re-measure acceptance "
@@ -81,8 +86,9 @@ class SpeculationConfig:
             raise SpeculationConfigError(f"min_draft_prob must be in [0, 1], got {self.min_draft_prob}")
         if not 1 <= self.heuristic_initial_k <= MAX_K:
             raise SpeculationConfigError(f"heuristic_initial_k must be in [1, {MAX_K}], got {self.heuristic_initial_k}")
-        if not isinstance(self.pipeline, bool):
-            raise SpeculationConfigError(f"pipeline must be true or false, got {self.pipeline!r}")
+        for name in ("pipeline", "overlap_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpeculationConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.probe_every < 0:
             raise SpeculationConfigError(f"probe_every must be >= 0, got {self.probe_every}")
         if not self.bandit_exploration >= 0.0 or not self.bandit_prior_weight > 0.0:

@@ -4,6 +4,10 @@ A `Round` runs the two worker calls, with their recovery (re-prefill from the ca
 fallback, target retry), cuts the output with the turn's stop conditions and returns one immutable
 `RoundRecord`. Everything else (stats, metrics, traces, the k policy, stream events) observes records.
 
+Prefill overlap (default, where the policy may pick k = 0): the turn's first round runs target-only
+while the draft prefills the prompt beside it and pre-drafts round 2 as below, so that the first token
+does not wait for the draft's prefill.
+
 Pipelining (opt-in): while the target verifies round n, the draft already drafts round n+1 on the
 assumption that round n is fully accepted. It drafts k+2 tokens after round n's drafts (one deeper,
 so k can grow along hits); the first is its guess of the target's bonus token. If the target accepts
@@ -113,9 +117,10 @@ class Round:
 
     def __init__(self, workers: Workers, session: OrchestratorSession, sampling: SamplingConfig,
                  deadline: Deadline, stop: StopConditions, min_draft_prob: float, policy_name: str,
-                 pipeline: bool = False, max_k: int = 8) -> None:
+                 pipeline: bool = False, max_k: int = 8, overlap_prefill: bool = False) -> None:
         self.workers = workers
         self.pipeline = pipeline
+        self.overlap_prefill = overlap_prefill
         self.max_k = max_k
         self._ahead: _PreDraft | None = None
         self.session = session
@@ -136,7 +141,15 @@ class Round:
         reply, hit, saved_ms = await self._take_predraft(k, calls)
         # After the pre-draft settled: a pre-draft that found the draft down put it in backoff.
         use_draft = k > 0 and self.workers.draft_health_for(self.session.session_id).usable()
-        if reply is None and use_draft:
+        if reply is None and use_draft and self.overlap_prefill and self.index == 1 and self.stop.remaining >= 3:
+            # The turn's first round has a prompt to prefill on both workers. Serially the target
+            # would wait for the draft's prefill; instead the target prefills and answers the first
+            # token alone (k = 0) while the draft prefills and pre-drafts the next round, its first
+            # token a guess of the target's (as a pipelined pre-draft). The first token then comes as
+            # soon as target-only's would, and a hit gives round 2 its drafts at once.
+            self._start_predraft(list(canonical), min(k, self.stop.remaining - 2) + 1)
+            k = 0
+        elif reply is None and use_draft:
             reply = await self._propose(k, calls)
         drafts = reply.tokens if reply else []
         # A pre-draft pays only if a round can follow this one: at least 2 tokens left after a

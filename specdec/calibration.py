@@ -82,7 +82,7 @@ def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int,
     return curve
 
 
-def calibrate(core: WorkerCore, max_k: int, budget_s: float, max_batch_rows: int = 0) -> None:
+def calibrate(core: WorkerCore, max_k: int, budget_s: float) -> None:
     """At worker startup: choose the GEMM path (CPU), then measure the cost curve, within budget_s.
 
     The draft forwards 1 token per drafting step and up to 2 on catch-up; the target verifies up to
@@ -99,8 +99,8 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, max_batch_rows: int
     # The orchestrator prices rounds at the short context; a longer one is measured (and reported for
     # operators) only with budget to spare. The end points of the short one are always measured.
     contexts = tuple(sorted({min(64, core.max_context // 4), min(256, core.max_context // 2)}))
-    # The target also measures what batched forwards cost (rows of several sessions), so the k policy
-    # can price load; the draft's batched steps are measured in service.
-    load = tuple(t for t in (16, 32, 64) if t <= max_batch_rows) if core.role == "target" else ()
+    # Both also measure what batched forwards cost (rows of several sessions): the target's curve lets
+    # the k policy price load, and each worker sizes its prompt chunks from its own (scheduler.prefill_chunk_for).
+    load = (16, 32, 64)
     core.cost_curve = measure_cost_curve(core.model, core.vocab_size, max_tokens, contexts, max(left, 1e-9),
                                          load_tokens=load)

@@ -51,7 +51,9 @@ class WorkerCollector:
                          ("specdec_worker_rejected_calls", "Calls refused with RESOURCE_EXHAUSTED (queue full)",
                           self.scheduler.rejected),
                          ("specdec_worker_expired_calls", "Calls dropped at their deadline before finishing",
-                          self.scheduler.expired)]
+                          self.scheduler.expired),
+                         ("specdec_worker_prefill_chunks", "Forwards that ran a chunk of a long prompt next to "
+                          "other calls (chunked prefill)", self.scheduler.prefill_chunks)]
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([role], value)

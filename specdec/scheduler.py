@@ -13,6 +13,10 @@ Rules:
 - Fair: calls are admitted first come first served, and inside the active set the step that has
   waited longest goes first; a step left out by the token cap is the oldest next time, so none starves.
   A single step over `max_batch_tokens` (a long prefill) runs alone when its turn comes.
+- Chunked prefill: while other calls share the forward, the prompts in it (steps longer than a
+  decode step) get at most `prefill_chunk` rows between them; a longer prompt runs in chunks over
+  the next forwards, so that prompts arriving never stall the others' decode steps for long. A
+  step alone runs whole.
 - One call per session at a time: a second call on a session waits until the first ends (the cache
   is the session's state), in arrival order.
 - Deadlines and cancellation are checked before admission and before every step: an expired call
@@ -42,6 +46,10 @@ log = logging.getLogger(__name__)
 
 Steps = Generator[Any, Any, Any]
 
+# A step of at most this many rows is a decode step (a verify of k <= 15 drafts, a draft's catch-up):
+# never chunked, and not counted in a forward's prompt budget.
+DECODE_STEP_ROWS = 16
+
 
 class QueueFull(CapacityExceeded):
     def __init__(self, message: str, retry_after_ms: int) -> None:
@@ -55,10 +63,36 @@ class BatchLimits:
     max_batch_tokens: int = 256   # token rows per forward
     window_ms: float = 20.0       # cap on waiting for due calls to join a forward (also <= 10% of a forward)
     max_queue: int = 64           # calls waiting for a slot; more get RESOURCE_EXHAUSTED
+    prefill_chunk: int = 64       # prompt rows per forward while other calls share it; 0 = whole prompts
 
     def validate(self) -> None:
-        if self.max_batch < 1 or self.max_batch_tokens < 1 or self.max_queue < 0 or self.window_ms < 0:
+        if (self.max_batch < 1 or self.max_batch_tokens < 1 or self.max_queue < 0 or self.window_ms < 0
+                or self.prefill_chunk < 0):
             raise ValueError(f"invalid batch limits {self}")
+
+
+def prefill_chunk_for(curve: Sequence[tuple[int, float]], decode_rows: int, cap: int) -> int | None:
+    """A worker's own prompt budget per shared forward, from its measured (rows, ms) forward costs:
+    the largest of 16, 32, 64, ... (up to cap) rows whose forward, next to `decode_rows` decode rows,
+    costs at most twice the decode rows' alone. A prompt then at most doubles the other streams' step:
+    a few rows on a CPU whose forward grows with its rows, hundreds on a GPU where it is flat. Past
+    the largest measured count the last segment's slope extends the curve. None where the curve does
+    not reach 16 rows (nothing measured to choose from)."""
+    points = sorted(curve)
+    if len(points) < 2 or points[-1][0] < DECODE_STEP_ROWS:
+        return None
+
+    def ms(rows: float) -> float:
+        for (r0, m0), (r1, m1) in zip(points, points[1:]):
+            if rows <= r1:
+                return m0 + (m1 - m0) * max(0.0, rows - r0) / (r1 - r0) if r1 > r0 else m1
+        (r0, m0), (r1, m1) = points[-2], points[-1]
+        return m1 + max(0.0, (m1 - m0) / (r1 - r0)) * (rows - r1)
+    limit = 2.0 * ms(decode_rows)
+    chunk = DECODE_STEP_ROWS
+    while chunk * 2 <= cap and ms(decode_rows + chunk * 2) <= limit:
+        chunk *= 2
+    return chunk
 
 
 @dataclass
@@ -124,6 +158,7 @@ class BatchScheduler:
         self.batched_sessions = 0
         self.rejected = 0
         self.expired = 0
+        self.prefill_chunks = 0  # forwards that ran part of a call's step (chunked prefill)
         self._thread = threading.Thread(target=self._run, name=f"{name}-scheduler", daemon=True)
         self._thread.start()
 
@@ -277,28 +312,49 @@ class BatchScheduler:
                 self._close_steps(job)
                 self._fail(job, DeadlineExceeded("deadline expired between forward steps"))
 
-    def _select(self) -> list[_Job]:
+    def _select(self) -> list[tuple[_Job, Any]]:
+        """The (call, step) pairs of the next forward: oldest step first, up to max_batch_tokens rows.
+
+        Chunked prefill: while other calls share the forward, the steps longer than a decode step (a
+        new turn's prompt, a re-prefill) get at most prefill_chunk rows of it between them. A prompt
+        past that runs its first rows now and the rest in the next forwards (it stays the oldest, so
+        it goes first then), and the others' decode steps are never held up behind whole prompts.
+        Alone, a step runs whole: a single stream keeps the numerics and the speed of one forward."""
         ready = sorted((j for j in self._active if j.pending is not None), key=lambda j: (j.pending_since, j.submitted))
-        batch, rows = [], 0
+        chunking = len(ready) > 1 and self.limits.prefill_chunk > 0
+        prefill_left = self.limits.prefill_chunk
+        batch: list[tuple[_Job, Any]] = []
+        rows = 0
         for job in ready:
-            tokens = len(job.pending.tokens)
-            if batch and rows + tokens > self.limits.max_batch_tokens:
+            step = job.pending
+            size = len(step.tokens)
+            if chunking and size > DECODE_STEP_ROWS:
+                take = min(prefill_left, self.limits.max_batch_tokens - rows)
+                parts = step.split(take) if 0 < take < size and hasattr(step, "split") else None
+                if parts is not None:
+                    head, job.pending = parts  # the rest stays pending, still the oldest
+                    step, size = head, len(head.tokens)
+                elif size > take and batch:
+                    continue  # no room for it in this forward's prompt budget: first in line next time
+                prefill_left = max(0, prefill_left - size)
+            elif batch and rows + size > self.limits.max_batch_tokens:
                 continue  # a smaller step behind it may still fit; this one is oldest next time
-            batch.append(job)
-            rows += tokens
+            batch.append((job, step))
+            rows += size
         return batch
 
-    def _step(self, batch: list[_Job]) -> None:
-        steps = [job.pending for job in batch]
+    def _step(self, batch: list[tuple[_Job, Any]]) -> None:
+        steps = [step for _, step in batch]
         rows = sum(len(s.tokens) for s in steps)
-        for job in batch:
-            job.pending = None
+        for job, step in batch:
+            if job.pending is step:
+                job.pending = None
         start = self._clock()
         try:
             outputs = self._forward(steps)
         except BaseException as exc:  # noqa: BLE001 - every call in the forward gets the error
             log.exception("batched forward over %d calls failed", len(batch))
-            for job in batch:
+            for job, _ in batch:
                 self._close_steps(job)
                 self._fail(job, exc)
             return
@@ -309,11 +365,13 @@ class BatchScheduler:
             self._batch_ewma = len(batch) if self.forwards == 0 else 0.8 * self._batch_ewma + 0.2 * len(batch)
             self.forwards += 1
             self.batched_sessions += len(batch)
-        for job, output in zip(batch, outputs):
+            self.prefill_chunks += sum(1 for job, _ in batch if job.pending is not None)
+        for (job, _), output in zip(batch, outputs):
             job.load.forwards += 1
             job.load.batch_sessions += len(batch)
             job.load.batch_rows += rows
-            self._advance(job, output)
+            if job.pending is None:  # a prefill chunk's call keeps its rest pending: nothing to resume
+                self._advance(job, output)
 
     def _close_steps(self, job: _Job) -> None:
         if job.steps is not None:

@@ -42,6 +42,19 @@ class ForwardStep:
     # was: a commit is applied together with its forward or not at all.
     crop_to: int = -1
 
+    def split(self, rows: int) -> tuple["ForwardStep", "ForwardStep"] | None:
+        """A prefill chunk: the first `rows` tokens (at most those before the logits rows) as a step
+        of their own, whose logits nobody reads, and the rest. The head carries the crop, so the two
+        run in order feed exactly what the whole step would. None where no token can go first."""
+        if self.logits_rows <= 0:
+            return None  # every row's logits are wanted
+        rows = min(rows, len(self.tokens) - self.logits_rows)
+        if rows < 1:
+            return None
+        # One logits row (not zero, which would mean all of them): the LM head over one row is noise.
+        head = ForwardStep(self.session, self.tokens[:rows], 1, self.crop_to)
+        return head, ForwardStep(self.session, self.tokens[rows:], self.logits_rows)
+
 
 # What an engine call is: a generator of forward steps that returns the call's result.
 CallSteps = Generator[ForwardStep, torch.Tensor, Any]

@@ -13,12 +13,14 @@ import grpc
 from specdec import grpc_util
 from specdec.errors import DeadlineExceeded
 from specdec.v1 import common_pb2
-from specdec.contract import CallStats, validate_session_id
-from specdec.scheduler import BatchLimits, BatchScheduler
+from specdec.contract import CallStats, CostCurve, validate_session_id
+from specdec.scheduler import BatchLimits, BatchScheduler, prefill_chunk_for
 from specdec.worker_core import ForwardStep, StoreLimits, WorkerCore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# --prefill-chunk auto where the worker measured no forward of 16 rows or more (calibration skipped).
+AUTO_PREFILL_CHUNK_FALLBACK = 64
 
 
 def _without_forwards(fn: Callable[[], T]) -> Generator[ForwardStep, Any, T]:
@@ -105,6 +107,11 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
                         help="the most a forward waits for calls that are due (sessions that usually come back "
                              "about now) to join it; also at most a tenth of the recent forward time, and never "
                              "when none is due")
+    parser.add_argument("--prefill-chunk", default="auto",
+                        help="prompt rows per forward while other calls share it (chunked prefill), so that "
+                             "their decode steps are not held up behind whole prompts; 0: whole prompts. auto: "
+                             "the most rows that at most double a forward of --max-batch decode rows, from "
+                             "this worker's startup measurement (64 where nothing was measured)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="calls waiting for a batch slot; more are refused with RESOURCE_EXHAUSTED")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
@@ -117,9 +124,19 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--log-level", default="INFO")
 
 
-def batch_limits(args: argparse.Namespace) -> BatchLimits:
+def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve()) -> BatchLimits:
+    chunk = str(args.prefill_chunk)
+    if chunk == "auto":
+        measured = prefill_chunk_for(cost_curve.rows_curve(), args.max_batch, args.max_batch_tokens)
+        prefill_chunk = AUTO_PREFILL_CHUNK_FALLBACK if measured is None else measured
+        log.info("prefill chunk: %d rows (%s)", prefill_chunk, "measured" if measured else "nothing measured")
+    else:
+        try:
+            prefill_chunk = int(chunk)
+        except ValueError:
+            raise SystemExit(f"--prefill-chunk must be a number of rows or auto, got {chunk!r}") from None
     return BatchLimits(max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
-                       window_ms=args.batch_window_ms, max_queue=args.max_queue)
+                       window_ms=args.batch_window_ms, max_queue=args.max_queue, prefill_chunk=prefill_chunk)
 
 
 def store_limits(args: argparse.Namespace) -> StoreLimits:
@@ -138,9 +155,8 @@ async def serve_worker(args: argparse.Namespace, role: str,
     loaded = await asyncio.to_thread(load_model, args.model, dtype, str(device))
     core = WorkerCore(loaded, role, store_limits(args))
     from specdec.calibration import calibrate
-    await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s,
-                            min(args.max_batch_tokens, args.max_batch * (args.max_k + 1)))
-    servicer = make_servicer(core, batch_limits(args))
+    await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s)
+    servicer = make_servicer(core, batch_limits(args, core.cost_curve))
     credentials = None
     if args.tls_cert and args.tls_key:
         from specdec import security

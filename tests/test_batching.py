@@ -96,12 +96,37 @@ def test_unsupported_architectures_run_one_forward_per_step() -> None:
     assert [s.tokens for s in sessions] == [[5, 6], [7]]
 
 
+def test_a_step_split_into_prefill_chunks_feeds_what_the_whole_step_does() -> None:
+    core = WorkerCore(load_model("tiny:seed=0", torch.float32), "target")
+    prompt = [random.Random(5).randrange(3, 250) for _ in range(23)]
+    whole, chunked = WorkerSession(new_cache(core.model)), WorkerSession(new_cache(core.model))
+    for session in (whole, chunked):  # a cache to crop: the commit's crop must run once, first
+        core.feed_many([ForwardStep(session, [9, 9, 9, 9], 1)])
+    step = ForwardStep(whole, prompt, 3, crop_to=2)
+    expected = core.feed_many([step])[0]
+    rest = ForwardStep(chunked, prompt, 3, crop_to=2)
+    heads = []
+    while (parts := rest.split(8)) is not None:
+        head, rest = parts
+        heads.append((len(head.tokens), head.logits_rows, head.crop_to))
+        core.feed_many([head])
+    got = core.feed_many([rest])[0]
+    # The head never takes a row whose logits are wanted, and only the first crops.
+    assert heads == [(8, 1, 2), (8, 1, -1), (4, 1, -1)] and len(rest.tokens) == 3 and rest.crop_to == -1
+    assert chunked.tokens == whole.tokens == [9, 9] + prompt
+    assert torch.allclose(got, expected, atol=1e-4) and torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert ForwardStep(whole, prompt, 0).split(8) is None  # every row's logits wanted: not splittable
+    assert ForwardStep(whole, [1, 2], 2).split(8) is None
+
+
 # ----------------------------------------------------------------------------- identity under batching
 
-@pytest.mark.parametrize("speculation", [{"fixed_k": 3}, {"policy": "cost", "max_k": 6}, {"fixed_k": 0}],
-                         ids=["k3", "adaptive", "target-only"])
-async def test_concurrent_streams_are_token_identical_to_each_alone(speculation: dict) -> None:
-    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02")
+@pytest.mark.parametrize("speculation, prefill_chunk",
+                         [({"fixed_k": 3}, 64), ({"policy": "cost", "max_k": 6}, 64), ({"fixed_k": 0}, 64),
+                          ({"fixed_k": 3}, 4)],
+                         ids=["k3", "adaptive", "target-only", "k3-chunked-prefill"])
+async def test_concurrent_streams_are_token_identical_to_each_alone(speculation: dict, prefill_chunk: int) -> None:
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02", batch=BatchLimits(prefill_chunk=prefill_chunk))
     try:
         alone = [reference_greedy(p, 24) for p in PROMPTS]
         forwards_before = stack.target.scheduler.forwards
@@ -115,6 +140,8 @@ async def test_concurrent_streams_are_token_identical_to_each_alone(speculation:
         assert forwards > 0 and target.batched_sessions > target.forwards, (forwards, target.batched_sessions)
         if speculation.get("fixed_k"):
             assert stack.draft.scheduler.batched_sessions > stack.draft.scheduler.forwards
+        if prefill_chunk < max(map(len, PROMPTS)):  # prompts of up to 25 tokens met other calls in chunks
+            assert target.prefill_chunks > 0 and stack.draft.scheduler.prefill_chunks > 0
     finally:
         await stack.close()
 

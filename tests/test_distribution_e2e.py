@@ -320,8 +320,10 @@ async def test_first_tokens_follow_target_distribution(small_vocab_models: None,
         await stack.close()
 
     assert sample.draft_tokens > 0, "the speculative path never ran"
-    if speculation.get("pipeline"):
-        assert sample.predraft_hits > 0.05 * n, f"pipelined hits {sample.predraft_hits} in {n} requests"
+    if speculation.get("pipeline") or policy == "default":
+        # "default": an adaptive policy overlaps the first round's prefills, and round 2 uses the
+        # draft's pre-draft on a hit (orchestrator/rounds.py): that path is in the sample too.
+        assert sample.predraft_hits > 0.05 * n, f"pre-draft hits {sample.predraft_hits} in {n} requests"
     fit = pearson_fit(sample.counts, reference)
     control_fit = pearson_fit(sample.counts, control)
     acceptance = sample.accepted_tokens / sample.draft_tokens

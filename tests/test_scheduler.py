@@ -23,6 +23,7 @@ class FakeForward:
 
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
+        self.rows: list[list[int]] = []  # token rows of each step, per forward
         self.entered = threading.Event()
         self.gate = threading.Event()
         self.gate.set()
@@ -36,6 +37,7 @@ class FakeForward:
         self.entered.set()
         assert self.gate.wait(WAIT_S)
         self.batches.append([s.session for s in steps])
+        self.rows.append([len(s.tokens) for s in steps])
         if self.fail_with in [s.session for s in steps]:
             self.fail_with = None
             raise RuntimeError("forward failed")
@@ -324,3 +326,140 @@ def test_cancelled_or_expired_waiting_calls_free_their_queue_place(forward) -> N
         assert not any("b" in batch for batch in forward.batches)
     finally:
         scheduler.close()
+
+
+def prompt_call(session: str, tokens: int, logits_rows: int = 2, crop_to: int = 5):
+    """One verify-like step: a long prompt plus drafts, the logits of the last `logits_rows` wanted."""
+    from specdec.worker_core import ForwardStep
+
+    def make():
+        return (yield ForwardStep(session, list(range(tokens)), logits_rows, crop_to))
+    return make
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(forward) -> None:
+    scheduler = make_scheduler(forward, prefill_chunk=64)
+    try:
+        forward.hold()
+        decode, _ = scheduler.submit("a", call("a", steps=5))
+        assert forward.entered.wait(WAIT_S)
+        prompt, load = scheduler.submit("p", prompt_call("p", 150))
+        forward.gate.set()
+        # The prompt's call resumes once, with the output of its last chunk: the rows that have logits.
+        assert prompt.result(WAIT_S) == 22
+        assert decode.result(WAIT_S) == [1] * 5
+        assert [sorted(rows) for rows in forward.rows[:5]] == [[1], [1, 64], [1, 64], [1, 22], [1]]
+        assert load.forwards == 3 and scheduler.prefill_chunks == 2
+    finally:
+        scheduler.close()
+
+
+def test_a_prompt_alone_or_with_chunking_off_runs_whole(forward) -> None:
+    scheduler = make_scheduler(forward, prefill_chunk=64)
+    try:
+        assert scheduler.submit("p", prompt_call("p", 150))[0].result(WAIT_S) == 150
+        assert forward.rows == [[150]] and scheduler.prefill_chunks == 0
+    finally:
+        scheduler.close()
+    forward = FakeForward()
+    scheduler = make_scheduler(forward, prefill_chunk=0)
+    try:
+        forward.hold()
+        decode, _ = scheduler.submit("a", call("a", steps=3))
+        assert forward.entered.wait(WAIT_S)
+        prompt, _ = scheduler.submit("p", prompt_call("p", 150))
+        forward.gate.set()
+        assert prompt.result(WAIT_S) == 150 and decode.result(WAIT_S) == [1] * 3
+        assert [1, 150] in forward.rows and scheduler.prefill_chunks == 0
+    finally:
+        scheduler.close()
+
+
+def test_a_call_cancelled_between_prefill_chunks_spends_no_more_forwards() -> None:
+    class PausingForward(FakeForward):
+        """Blocks the 4th forward until resumed: the test cancels while the prompt is half fed."""
+        def __init__(self) -> None:
+            super().__init__()
+            self.paused, self.resume = threading.Event(), threading.Event()
+
+        def __call__(self, steps: list) -> list[int]:
+            if len(self.rows) == 3:
+                self.paused.set()
+                assert self.resume.wait(WAIT_S)
+            return super().__call__(steps)
+
+    forward = PausingForward()
+    scheduler = make_scheduler(forward, prefill_chunk=8)
+    try:
+        forward.hold()
+        decode, _ = scheduler.submit("a", call("a", steps=8))
+        assert forward.entered.wait(WAIT_S)
+        log: list = []
+
+        def logged_prompt():
+            try:
+                return (yield from prompt_call("p", 400)())
+            finally:
+                log.append("cleanup")
+        prompt, load = scheduler.submit("p", logged_prompt)
+        forward.gate.set()
+        assert forward.paused.wait(WAIT_S)
+        assert prompt.cancel()
+        forward.resume.set()
+        assert decode.result(WAIT_S) == [1] * 8
+        assert [sorted(rows) for rows in forward.rows[:4]] == [[1], [1, 8], [1, 8], [1, 8]]
+        assert all(rows == [1] for rows in forward.rows[4:]), forward.rows
+        assert log == ["cleanup"] and scheduler.prefill_chunks == 3
+    finally:
+        scheduler.close()
+
+
+def test_prompts_arriving_together_share_one_prompt_budget_per_forward(forward) -> None:
+    scheduler = make_scheduler(forward, prefill_chunk=64)
+    try:
+        forward.hold()
+        decode, _ = scheduler.submit("a", call("a", steps=4))
+        assert forward.entered.wait(WAIT_S)
+        first, _ = scheduler.submit("p", prompt_call("p", 49))
+        second, _ = scheduler.submit("q", prompt_call("q", 49))
+        forward.gate.set()
+        assert first.result(WAIT_S) == 49 and second.result(WAIT_S) == 34 and decode.result(WAIT_S) == [1] * 4
+        # 64 prompt rows per forward between them: p whole, q's first 15 rows, then q's other 34.
+        assert [sorted(rows) for rows in forward.rows[:3]] == [[1], [1, 15, 49], [1, 34]]
+        assert scheduler.prefill_chunks == 1
+    finally:
+        scheduler.close()
+
+
+def test_the_prompt_budget_comes_from_the_workers_own_forward_costs() -> None:
+    from specdec.scheduler import prefill_chunk_for
+    # A CPU: every row costs (40 ms a row over a 1 s floor). 8 decode rows take 1.32 s; with 32 prompt
+    # rows 2.6 s (under twice that), with 64 rows 3.9 s (over): 32.
+    cpu = [(r, 1000.0 + 40.0 * r) for r in (1, 9, 16, 32, 64)]
+    assert prefill_chunk_for(cpu, decode_rows=8, cap=256) == 32
+    # A GPU: nearly flat, so the cap (the forward's row budget), extrapolated past 64 rows.
+    gpu = [(1, 10.0), (9, 10.5), (16, 11.0), (32, 11.5), (64, 12.0)]
+    assert prefill_chunk_for(gpu, decode_rows=8, cap=256) == 256
+    assert prefill_chunk_for(gpu, decode_rows=8, cap=100) == 64
+    # Steeper than twice at any size: the floor, a decode step's size.
+    assert prefill_chunk_for([(1, 1.0), (16, 100.0), (64, 400.0)], decode_rows=1, cap=256) == 16
+    # Nothing measured at 16 rows or more: nothing to choose from.
+    assert prefill_chunk_for([(1, 10.0), (9, 12.0)], 8, 256) is None
+    assert prefill_chunk_for([], 8, 256) is None
+
+
+def test_prefill_chunk_flag() -> None:
+    import argparse
+
+    from specdec.contract import CostCurve
+    from specdec.worker_server import AUTO_PREFILL_CHUNK_FALLBACK, add_worker_args, batch_limits
+    parser = argparse.ArgumentParser()
+    add_worker_args(parser, "tiny:seed=0")
+    auto = parser.parse_args([])
+    assert auto.prefill_chunk == "auto"
+    assert batch_limits(auto).prefill_chunk == AUTO_PREFILL_CHUNK_FALLBACK  # calibration skipped
+    measured = CostCurve(tuple((r, 64, 1000.0 + 40.0 * r) for r in (1, 9, 16, 32, 64)))
+    assert batch_limits(auto, measured).prefill_chunk == 32
+    assert batch_limits(parser.parse_args(["--prefill-chunk", "0"]), measured).prefill_chunk == 0
+    with pytest.raises(SystemExit):
+        batch_limits(parser.parse_args(["--prefill-chunk", "lots"]))
