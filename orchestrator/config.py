@@ -60,11 +60,12 @@ class SpeculationConfig:
         "output is even the serial one token for token. Pays "
         "where draft and target run on different devices or nodes; off by default because on one "
         "shared CPU the two forwards compete for the same cores. Per request: `speculation.pipeline`."))
-    overlap_prefill: bool = field(default=True, metadata=_doc(
-        "The first round of a turn runs target-only while the draft prefills the new prompt beside it "
-        "and pre-drafts round 2 (its first token a guess of the target's), instead of the target "
-        "waiting for the draft's prefill: the first token comes as soon as target-only's would. "
-        "Only for adaptive policies that may pick k = 0 (min_k = 0): never under the `fixed` policy."))
+    overlap_prefill: bool = field(default=False, metadata=_doc(
+        "Prefill overlap: a turn's first round runs target-only while the draft prefills the new prompt "
+        "beside it and pre-drafts round 2 (its first token a guess of the target's), so the first token "
+        "does not wait for the draft's prefill. For the `cost` and `bandit` policies with min_k = 0, "
+        "when the target has more than 16 tokens to prefill. Off by default for the same reason as "
+        "`pipeline`: on one shared CPU the two prefills compete for the same cores."))
     heuristic_initial_k: int = field(default=4, metadata=_doc("First k of the `heuristic` policy."))
     probe_every: int = field(default=16, metadata=_doc(
         "`cost` policy: after this many target-only rounds, draft one token to re-measure acceptance "

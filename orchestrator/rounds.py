@@ -4,9 +4,9 @@ A `Round` runs the two worker calls, with their recovery (re-prefill from the ca
 fallback, target retry), cuts the output with the turn's stop conditions and returns one immutable
 `RoundRecord`. Everything else (stats, metrics, traces, the k policy, stream events) observes records.
 
-Prefill overlap (default, where the policy may pick k = 0): the turn's first round runs target-only
-while the draft prefills the prompt beside it and pre-drafts round 2 as below, so that the first token
-does not wait for the draft's prefill.
+Prefill overlap (opt-in; `cost` and `bandit` policies; more than 16 new prompt tokens): the turn's
+first round runs target-only while the draft prefills the prompt beside it and pre-drafts round 2 as
+below, so that the first token does not wait for the draft's prefill.
 
 Pipelining (opt-in): while the target verifies round n, the draft already drafts round n+1 on the
 assumption that round n is fully accepted. It drafts k+2 tokens after round n's drafts (one deeper,
@@ -38,6 +38,9 @@ from specdec.errors import (CacheMismatch, CapacityExceeded, DeadlineExceeded, I
                             WorkerInternalError, WorkerUnavailable)
 
 log = logging.getLogger(__name__)
+
+# Prefill overlap pays only with a prompt to hide: a follow-up of a few tokens keeps round 1 speculative.
+OVERLAP_MIN_PREFILL = 16
 
 
 class DraftHealth:
@@ -141,7 +144,8 @@ class Round:
         reply, hit, saved_ms = await self._take_predraft(k, calls)
         # After the pre-draft settled: a pre-draft that found the draft down put it in backoff.
         use_draft = k > 0 and self.workers.draft_health_for(self.session.session_id).usable()
-        if reply is None and use_draft and self.overlap_prefill and self.index == 1 and self.stop.remaining >= 3:
+        if (reply is None and use_draft and self.overlap_prefill and self.index == 1 and self.stop.remaining >= 3
+                and len(self.session.target_view.commit_for(canonical).append_tokens) > OVERLAP_MIN_PREFILL):
             # The turn's first round has a prompt to prefill on both workers. Serially the target
             # would wait for the draft's prefill; instead the target prefills and answers the first
             # token alone (k = 0) while the draft prefills and pre-drafts the next round, its first

@@ -33,7 +33,8 @@ class WorkerView:
 
     def keep(self, length: int) -> None:
         """After a call whose outcome is unknown: the worker holds at least the first `length` tokens
-        it held before (it either applied the commit or did not run it)."""
+        it held before (it applied the commit, applied part of it (a prompt cut off between prefill
+        chunks), or did not run it); the next commit's prefix hash and crop handle any of the three."""
         del self.tokens[length:]
 
 

@@ -46,9 +46,9 @@ log = logging.getLogger(__name__)
 
 Steps = Generator[Any, Any, Any]
 
-# A step of at most this many rows is a decode step (a verify of k <= 15 drafts, a draft's catch-up):
-# never chunked, and not counted in a forward's prompt budget.
-DECODE_STEP_ROWS = 16
+# A step of at most this many rows is a decode step (a verify of up to 32 drafts, the most a request
+# may ask for, or a draft's catch-up): never chunked, and not counted in a forward's prompt budget.
+DECODE_STEP_ROWS = 33
 
 
 class QueueFull(CapacityExceeded):
@@ -73,13 +73,13 @@ class BatchLimits:
 
 def prefill_chunk_for(curve: Sequence[tuple[int, float]], decode_rows: int, cap: int) -> int | None:
     """A worker's own prompt budget per shared forward, from its measured (rows, ms) forward costs:
-    the largest of 16, 32, 64, ... (up to cap) rows whose forward, next to `decode_rows` decode rows,
+    the largest of 16, 32, 64, ... (up to cap, at least 16) rows whose forward, next to `decode_rows` decode rows,
     costs at most twice the decode rows' alone. A prompt then at most doubles the other streams' step:
     a few rows on a CPU whose forward grows with its rows, hundreds on a GPU where it is flat. Past
     the largest measured count the last segment's slope extends the curve. None where the curve does
     not reach 16 rows (nothing measured to choose from)."""
     points = sorted(curve)
-    if len(points) < 2 or points[-1][0] < DECODE_STEP_ROWS:
+    if len(points) < 2 or points[-1][0] < 16:
         return None
 
     def ms(rows: float) -> float:
@@ -89,7 +89,7 @@ def prefill_chunk_for(curve: Sequence[tuple[int, float]], decode_rows: int, cap:
         (r0, m0), (r1, m1) = points[-2], points[-1]
         return m1 + max(0.0, (m1 - m0) / (r1 - r0)) * (rows - r1)
     limit = 2.0 * ms(decode_rows)
-    chunk = DECODE_STEP_ROWS
+    chunk = 16
     while chunk * 2 <= cap and ms(decode_rows + chunk * 2) <= limit:
         chunk *= 2
     return chunk
@@ -315,13 +315,18 @@ class BatchScheduler:
     def _select(self) -> list[tuple[_Job, Any]]:
         """The (call, step) pairs of the next forward: oldest step first, up to max_batch_tokens rows.
 
-        Chunked prefill: while other calls share the forward, the steps longer than a decode step (a
-        new turn's prompt, a re-prefill) get at most prefill_chunk rows of it between them. A prompt
-        past that runs its first rows now and the rest in the next forwards (it stays the oldest, so
-        it goes first then), and the others' decode steps are never held up behind whole prompts.
-        Alone, a step runs whole: a single stream keeps the numerics and the speed of one forward."""
+        Chunked prefill: while decode steps wait, they go first, and the steps longer than a decode
+        step (a new turn's prompt, a re-prefill) get at most prefill_chunk rows of the forward between
+        them. A prompt past that runs its first rows now and the rest in the next forwards (it stays
+        the oldest prompt, so it goes first among them), and the decode steps are never held up behind
+        whole prompts. With no decode step waiting (a step alone, a burst of prompts) steps run whole:
+        a single stream keeps the numerics and the speed of one forward."""
         ready = sorted((j for j in self._active if j.pending is not None), key=lambda j: (j.pending_since, j.submitted))
-        chunking = len(ready) > 1 and self.limits.prefill_chunk > 0
+        decoding = [j for j in ready if len(j.pending.tokens) <= DECODE_STEP_ROWS]
+        # Prompts are budgeted only while decode steps wait on them; among themselves they run whole.
+        chunking = bool(decoding) and len(ready) > 1 and self.limits.prefill_chunk > 0
+        if chunking:  # decode steps first, so a prompt's chunk never crowds them out of the row cap
+            ready = decoding + [j for j in ready if len(j.pending.tokens) > DECODE_STEP_ROWS]
         prefill_left = self.limits.prefill_chunk
         batch: list[tuple[_Job, Any]] = []
         rows = 0
@@ -332,7 +337,7 @@ class BatchScheduler:
                 take = min(prefill_left, self.limits.max_batch_tokens - rows)
                 parts = step.split(take) if 0 < take < size and hasattr(step, "split") else None
                 if parts is not None:
-                    head, job.pending = parts  # the rest stays pending, still the oldest
+                    head, job.pending = parts  # the rest stays pending, still the oldest prompt
                     step, size = head, len(head.tokens)
                 elif size > take and batch:
                     continue  # no room for it in this forward's prompt budget: first in line next time
@@ -365,7 +370,7 @@ class BatchScheduler:
             self._batch_ewma = len(batch) if self.forwards == 0 else 0.8 * self._batch_ewma + 0.2 * len(batch)
             self.forwards += 1
             self.batched_sessions += len(batch)
-            self.prefill_chunks += sum(1 for job, _ in batch if job.pending is not None)
+            self.prefill_chunks += any(job.pending is not None for job, _ in batch)
         for (job, _), output in zip(batch, outputs):
             job.load.forwards += 1
             job.load.batch_sessions += len(batch)

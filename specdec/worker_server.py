@@ -131,10 +131,9 @@ def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve()) 
         prefill_chunk = AUTO_PREFILL_CHUNK_FALLBACK if measured is None else measured
         log.info("prefill chunk: %d rows (%s)", prefill_chunk, "measured" if measured else "nothing measured")
     else:
-        try:
-            prefill_chunk = int(chunk)
-        except ValueError:
-            raise SystemExit(f"--prefill-chunk must be a number of rows or auto, got {chunk!r}") from None
+        prefill_chunk = int(chunk) if chunk.isdigit() else -1
+        if prefill_chunk < 0:
+            raise SystemExit(f"--prefill-chunk must be a number of rows (0: off) or auto, got {chunk!r}")
     return BatchLimits(max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
                        window_ms=args.batch_window_ms, max_queue=args.max_queue, prefill_chunk=prefill_chunk)
 

@@ -51,6 +51,8 @@ import torch
 from scipy import stats
 
 import tests.stack as stack_module
+from orchestrator import rounds
+from orchestrator.config import SpeculationConfig
 from specdec.contract import SamplingConfig
 from specdec.model_refs import TinySpec
 from specdec.models import LoadedModel, build_tiny_model
@@ -84,14 +86,17 @@ Joint = dict[tuple[int, ...], float]
 POLICIES: dict[str, dict[str, int]] = {"fixed3": {"fixed_k": 3}, "default": {},
                                         # k = 1 and 2 extra tokens: pre-drafts are used within the
                                         # first 3 tokens (a hit needs 2 tokens left after a round).
-                                        "pipelined-k1": {"fixed_k": 1, "pipeline": True}}
+                                        "pipelined-k1": {"fixed_k": 1, "pipeline": True},
+                                        # The server's prefill overlap, with the default policy.
+                                        "overlap": {}}
+SERVER_SPECULATION = {"overlap": SpeculationConfig(overlap_prefill=True)}
 EXTRA_TOKENS = {"pipelined-k1": 2}   # generated past NEW_TOKENS; the first NEW_TOKENS are tested
 WARPINGS: dict[str, SamplingConfig] = {
     "nowarp": SamplingConfig(TEMPERATURE),
     "topk3-topp0.73": SamplingConfig(TEMPERATURE, top_k=3, top_p=0.73),
 }
 DEFAULT_SUITE = {("fixed3", "nowarp", MIN_DRAFT_PROB["nowarp"]), ("default", "topk3-topp0.73", 0.0),
-                 ("pipelined-k1", "nowarp", 0.0)}
+                 ("pipelined-k1", "nowarp", 0.0), ("overlap", "nowarp", 0.0)}
 VARIANTS = [
     pytest.param(policy, warping, min_draft_prob, id=f"{policy}-{warping}-mdp{min_draft_prob}",
                  marks=() if (policy, warping, min_draft_prob) in DEFAULT_SUITE else pytest.mark.slow)
@@ -278,7 +283,7 @@ async def sample_outputs(stack: stack_module.Stack, n: int, cfg: SamplingConfig,
 
 @pytest.mark.parametrize(("policy", "warping", "min_draft_prob"), VARIANTS)
 async def test_first_tokens_follow_target_distribution(small_vocab_models: None, policy: str, warping: str,
-                                                       min_draft_prob: float) -> None:
+                                                       min_draft_prob: float, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = WARPINGS[warping]
     target = small_vocab_model(TARGET_REF).model
     reference = exact_joint(target, PROMPT, cfg, NEW_TOKENS)
@@ -312,17 +317,20 @@ async def test_first_tokens_follow_target_distribution(small_vocab_models: None,
     if min_draft_prob > 0:
         speculation["min_draft_prob"] = min_draft_prob
     # The server keeps its default speculation config ("default" policy = its k policy; min_draft_prob 0).
+    if policy == "overlap":  # the test's prompt is short: let it count as one worth overlapping
+        monkeypatch.setattr(rounds, "OVERLAP_MIN_PREFILL", 0)
     stack = await stack_module.start_stack(target_ref=TARGET_REF, draft_ref=DRAFT_REF, max_concurrent=BATCH,
-                                           max_queue=2 * BATCH)
+                                           max_queue=2 * BATCH,
+                                           speculation=SERVER_SPECULATION.get(policy, SpeculationConfig()))
     try:
         sample = await sample_outputs(stack, n, cfg, speculation, EXTRA_TOKENS.get(policy, 0))
     finally:
         await stack.close()
 
     assert sample.draft_tokens > 0, "the speculative path never ran"
-    if speculation.get("pipeline") or policy == "default":
-        # "default": an adaptive policy overlaps the first round's prefills, and round 2 uses the
-        # draft's pre-draft on a hit (orchestrator/rounds.py): that path is in the sample too.
+    if speculation.get("pipeline") or policy == "overlap":
+        # "overlap": round 1 is sampled by the target alone while the draft pre-drafts; round 2 uses
+        # that pre-draft on a hit (orchestrator/rounds.py): that path must be in the sample.
         assert sample.predraft_hits > 0.05 * n, f"pre-draft hits {sample.predraft_hits} in {n} requests"
     fit = pearson_fit(sample.counts, reference)
     control_fit = pearson_fit(sample.counts, control)
