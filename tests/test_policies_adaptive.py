@@ -160,3 +160,12 @@ def test_early_stop_is_charged_for_the_forward_it_ran() -> None:
     assert stopped.time_ms == pytest.approx(5 * per_round + t.verify_ms(0) + t.rpc_overhead_ms)
     target_only = simulator.simulate(world, t, lambda: FixedPolicy(0), 0, 0, 0.0)
     assert stopped.time_ms > target_only.time_ms
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parent.parent / "configs").glob("*.toml")))
+def test_shipped_config_files_load(name: str) -> None:
+    spec = SpeculationConfig.from_toml(str(Path(__file__).parent.parent / "configs" / name))
+    assert spec.policy in ("fixed", "heuristic", "cost", "bandit")
+    if name == "embedded-pair-two-devices.toml":
+        assert spec.overlap_prefill and not SpeculationConfig.from_toml(
+            str(Path(__file__).parent.parent / "configs" / "embedded-pair-cpu.toml")).overlap_prefill

@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--worker-args", default="", help="extra worker flags, e.g. '--max-batch 1'")
+    parser.add_argument("--config", help="orchestrator [speculation] TOML (default for the embedded pair: "
+                        "configs/embedded-pair-cpu.toml)")
     parser.add_argument("--target-cpus", help="pin the target worker to these CPUs (taskset list), e.g. 0")
     parser.add_argument("--draft-cpus", help="pin the draft worker to these CPUs, e.g. 1: two devices emulated")
     parser.add_argument("--out", default=str(ROOT / "bench-out" / "loadtest"))
@@ -184,7 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.address:
         results, _ = run(args.address)
     else:
-        config = ["--config", str(DEFAULT_PAIR_CONFIG)] if (args.target, args.draft) == (DEFAULT_TARGET, DEFAULT_DRAFT) else []
+        default_pair = (args.target, args.draft) == (DEFAULT_TARGET, DEFAULT_DRAFT)
+        config_file = args.config or (str(DEFAULT_PAIR_CONFIG) if default_pair else None)
+        config = ["--config", config_file] if config_file else []
         orch_args = ["--log-level", "WARNING", "--max-k", "8", "--max-concurrent", str(max(levels) * 2)] + config
         cpu_sets = {role: cpus for role, cpus in (("target", args.target_cpus), ("draft", args.draft_cpus)) if cpus}
         threads = 1 if cpu_sets else 0  # pinned to one CPU each: one torch thread, no oversubscription
