@@ -260,6 +260,113 @@ def test_the_early_stop_cases_really_stop_early(name: str) -> None:
     assert 3 in lengths and min(lengths) < 3, lengths
 
 
+# ----------------------------------------------------------------------------- pipelined schedules
+
+def _propose(case: Case, context: tuple[int, ...], k: int, rng) -> Draft:
+    fed = list(context)
+
+    def feed(token: int) -> torch.Tensor:
+        fed.append(token)
+        return case.draft(tuple(fed))
+    return propose_tokens(case.draft(context), feed, k, case.cfg, len(context), case.max_q, case.min_draft_prob, rng)
+
+
+# A pre-draft the orchestrator holds between rounds: (the prefix it assumed, its tokens, their q).
+Ahead = tuple[tuple[int, ...], tuple[int, ...], tuple[SparseDist, ...]] | None
+
+
+def pipelined_round(case: Case, context: tuple[int, ...], k: int, remaining: int, ahead: Ahead, first: bool,
+                    overlap: bool, pipeline: bool, max_k: int, rng) -> tuple[tuple[int, ...], Ahead]:
+    """One round of orchestrator.rounds.Round.run's schedule, on the production sampling functions.
+
+    A pre-draft from the previous round is used on a hit (the prefix is the assumed one plus its first
+    token, and k > 0). Prefill overlap: a first round with k > 0 verifies nothing and pre-drafts k+1
+    after the context. Pipelining: a round with drafts pre-drafts len(drafts)+2 after them. A
+    rejection discards the new pre-draft. The pre-draft's decisions are made before the verify's,
+    as in service, where it runs during the verify."""
+    drafts: list[int] | None = None
+    qs: list[SparseDist] = []
+    if ahead is not None and k > 0:
+        assumed, tokens, q = ahead
+        if len(tokens) >= 2 and context == assumed + tokens[:1]:
+            drafts, qs = list(tokens[1:1 + k]), list(q[1:1 + k])
+    new_ahead: Ahead = None
+    if drafts is None and k > 0 and overlap and first and remaining >= 3:
+        pre = _propose(case, context, min(k, remaining - 2) + 1, rng)
+        new_ahead, drafts = (context, tuple(pre.tokens), tuple(pre.q)), []
+    elif drafts is None:
+        draft = _propose(case, context, k, rng) if k > 0 else Draft()
+        drafts, qs = list(draft.tokens), list(draft.q)
+    if pipeline and drafts and remaining - (len(drafts) + 1) >= 2:
+        depth = min(len(drafts) + 1, max_k, remaining - len(drafts) - 2) + 1
+        assumed = context + tuple(drafts)
+        pre = _propose(case, assumed, depth, rng)
+        new_ahead = (assumed, tuple(pre.tokens), tuple(pre.q))
+    rows = torch.stack([case.target(context + tuple(drafts[:i])) for i in range(len(drafts) + 1)])
+    if case.cfg.greedy:
+        outcome = verify_greedy(rows, drafts)
+    else:
+        wire_q = [SparseDist.from_pb(q.to_pb()) for q in qs]
+        outcome = verify_sampled(rows, drafts, wire_q, case.cfg, len(context), rng)
+    if outcome.accepted_len < len(drafts):
+        new_ahead = None  # a rejection cancels the pre-draft
+    return tuple(outcome.emitted(drafts)), new_ahead
+
+
+def pipelined_distribution(case: Case, n_tokens: int, k_for: Callable[[tuple[int, ...]], int], overlap: bool,
+                           pipeline: bool, max_k: int = 3, round_fn=None) -> dict[tuple[int, ...], float]:
+    """Exact joint distribution of the first n_tokens under the pipelined schedule: the state carried
+    from round to round is the context and the pending pre-draft."""
+    def dist(context: tuple[int, ...], remaining: int, ahead: Ahead, first: bool) -> dict[tuple[int, ...], float]:
+        if remaining == 0:
+            return {(): 1.0}
+        k = max(0, min(k_for(context), remaining - 1))
+        out: dict[tuple[int, ...], float] = {}
+        for (emitted, next_ahead), weight in enumerate_paths(
+                lambda rng: (round_fn or pipelined_round)(case, context, k, remaining, ahead, first, overlap,
+                                                         pipeline, max_k, rng)):
+            emitted = emitted[:remaining]
+            for tail, w in dist(context + emitted, remaining - len(emitted), next_ahead, False).items():
+                out[emitted + tail] = out.get(emitted + tail, 0.0) + weight * w
+        return out
+    return dist((), n_tokens, None, True)
+
+
+@pytest.mark.parametrize("overlap,pipeline", [(False, True), (True, False), (True, True)],
+                         ids=["pipelined", "prefill-overlap", "both"])
+@pytest.mark.parametrize("name", ["temperature", "top_p", "disjoint", "p_equals_q", "min_draft_prob", "greedy"])
+def test_pipelined_schedules_match_target_exactly(name: str, overlap: bool, pipeline: bool) -> None:
+    case = make_case(name, vocab=3)
+    got = pipelined_distribution(case, 4, varying_k(2), overlap, pipeline)
+    want = target_joint(case, 4)
+    assert abs(sum(got.values()) - 1.0) < TOLERANCE and set(got) <= set(want)
+    assert max(abs(got.get(seq, 0.0) - p) for seq, p in want.items()) < TOLERANCE
+
+
+def test_pipelined_enumeration_uses_predrafts_and_has_teeth() -> None:
+    """The schedule really takes pre-drafts (hits happen on some paths), and a pre-draft whose q rows
+    are off by one position (each token sent with its predecessor's distribution) is caught as biased.
+    (Using a pre-draft whose guess was wrong would not be: drafts drawn from any q that travels with
+    them are verified losslessly; the guess check is there for acceptance, not for correctness.)"""
+    case = make_case("temperature", vocab=3)
+    hits = []
+
+    def counting(case, context, k, remaining, ahead, *rest):
+        if ahead is not None and k > 0 and len(ahead[1]) >= 2 and context == ahead[0] + ahead[1][:1]:
+            hits.append(1)
+        return pipelined_round(case, context, k, remaining, ahead, *rest)
+    pipelined_distribution(case, 4, lambda _: 2, overlap=True, pipeline=True, round_fn=counting)
+    assert hits
+
+    def shifted_q(case, context, k, remaining, ahead, *rest):
+        if ahead is not None:
+            ahead = (ahead[0], ahead[1], ahead[2][:1] + ahead[2][:-1])
+        return pipelined_round(case, context, k, remaining, ahead, *rest)
+    got = pipelined_distribution(case, 4, lambda _: 2, overlap=True, pipeline=True, round_fn=shifted_q)
+    want = target_joint(case, 4)
+    assert max(abs(got.get(seq, 0.0) - p) for seq, p in want.items()) > 1e-3
+
+
 # ----------------------------------------------------------------------------- the harness has teeth
 
 def drop_after_draw_round(case: Case, context: tuple[int, ...], k: int, rng) -> tuple[int, ...]:
