@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from specdec import curves
+
 
 @dataclass
 class Ewma:
@@ -93,16 +95,7 @@ class TargetLoad:
     def forward_ms(self, rows: float) -> float | None:
         """The target's forward cost over `rows` token rows (rows_curve): interpolated, extended past
         the largest known count by the last segment's slope; None with fewer than two points."""
-        curve = self.rows_curve()
-        if len(curve) < 2:
-            return None
-        if rows <= curve[0][0]:
-            return curve[0][1]
-        within = _interpolate(curve, rows)
-        if within is not None:
-            return within
-        (r0, m0), (r1, m1) = curve[-2], curve[-1]
-        return m1 + max(0.0, (m1 - m0) / (r1 - r0)) * (rows - r1)
+        return curves.extended(self.rows_curve(), rows)
 
 
 @dataclass
@@ -158,7 +151,7 @@ class TimingModel:
         first_k, first_ms = envelope[0]
         if k <= first_k:
             return first_ms * (k + 1) / (first_k + 1)
-        within = _interpolate(envelope, k)
+        within = curves.interpolate(envelope, k)
         if within is not None:
             return within
         last_k, last_ms = envelope[-1]
@@ -392,14 +385,6 @@ def _running_max(points: Iterable[tuple[float, float]]) -> list[tuple[float, flo
         highest = max(highest, y)
         curve.append((x, highest))
     return curve
-
-
-def _interpolate(curve: list[tuple[float, float]], x: float) -> float | None:
-    """Linear between the two points of `curve` (sorted by x) around x; None outside its range."""
-    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
-        if x0 <= x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return None
 
 
 _ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128, 192, 256)

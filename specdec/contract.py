@@ -12,6 +12,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specdec import curves
 from specdec.errors import InvalidRequest
 from specdec.v1 import common_pb2
 
@@ -139,12 +140,9 @@ class CostCurve:
         """Cost of a forward over `tokens` at the shortest measured context: measured, or linearly
         interpolated between the nearest measured token counts; None beyond the measured range."""
         curve = self.rows_curve()
-        for (t0, m0), (t1, m1) in zip(curve, curve[1:]):
-            if t0 <= tokens <= t1:
-                return m0 + (m1 - m0) * (tokens - t0) / (t1 - t0) if t1 > t0 else m0
         if curve and curve[0][0] == tokens:
             return curve[0][1]
-        return None
+        return curves.interpolate(curve, tokens)
 
     def rows_curve(self) -> tuple[tuple[int, float], ...]:
         """(tokens, ms) at the shortest measured context, by tokens."""

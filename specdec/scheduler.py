@@ -40,6 +40,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec import curves
 from specdec.errors import CapacityExceeded, DeadlineExceeded, WorkerUnavailable
 
 log = logging.getLogger(__name__)
@@ -81,16 +82,9 @@ def prefill_chunk_for(curve: Sequence[tuple[int, float]], decode_rows: int, cap:
     points = sorted(curve)
     if len(points) < 2 or points[-1][0] < 16:
         return None
-
-    def ms(rows: float) -> float:
-        for (r0, m0), (r1, m1) in zip(points, points[1:]):
-            if rows <= r1:
-                return m0 + (m1 - m0) * max(0.0, rows - r0) / (r1 - r0) if r1 > r0 else m1
-        (r0, m0), (r1, m1) = points[-2], points[-1]
-        return m1 + max(0.0, (m1 - m0) / (r1 - r0)) * (rows - r1)
-    limit = 2.0 * ms(decode_rows)
+    limit = 2.0 * curves.extended(points, decode_rows)
     chunk = 16
-    while chunk * 2 <= cap and ms(decode_rows + chunk * 2) <= limit:
+    while chunk * 2 <= cap and curves.extended(points, decode_rows + chunk * 2) <= limit:
         chunk *= 2
     return chunk
 
