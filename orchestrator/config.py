@@ -96,6 +96,12 @@ class SpeculationConfig:
             raise SpeculationConfigError("bandit_exploration must be >= 0 and bandit_prior_weight > 0")
         return self
 
+    @property
+    def overlaps_prefill(self) -> bool:
+        """Whether turns overlap their first round's prefills (see overlap_prefill): only for policies
+        that pick k = 0 themselves; a `fixed` or `heuristic` k is that of every round."""
+        return self.overlap_prefill and self.policy in ("cost", "bandit") and self.min_k == 0
+
     def with_override(self, override: SpeculationOverride) -> "SpeculationConfig":
         """A request's view of the config. Precedence: request fixed_k > request fields > server."""
         if override.fixed_k is not None:

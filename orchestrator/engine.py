@@ -237,7 +237,7 @@ class GenerationEngine:
                                        params.stop, self.tokenizer.decode)
         round_ = Round(self.workers, session, SamplingConfig(params.temperature, params.top_k, params.top_p, seed),
                        deadline, stop, spec.min_draft_prob, policy.name, pipeline=spec.pipeline,
-                       max_k=spec.max_k, overlap_prefill=spec.overlap_prefill and spec.policy in ("cost", "bandit") and spec.min_k == 0)
+                       max_k=spec.max_k, overlap_prefill=spec.overlaps_prefill)
         stats = GenerationStats(seed=seed, prompt_tokens=prompt_len)
         prior = self.prior_for(session.session_id)
         observers: list[Any] = [stats, session.stats, _PriorObserver(prior), *self.observers]
