@@ -65,6 +65,15 @@ def forward():
     return FakeForward()
 
 
+def submit_held(scheduler: BatchScheduler, forward: FakeForward, session: str, make, **kwargs):
+    """Hold the forwards, submit a call and wait until it is inside its first forward: whatever is
+    submitted next arrives while that forward runs."""
+    forward.hold()
+    submitted = scheduler.submit(session, make, **kwargs)
+    assert forward.entered.wait(WAIT_S)
+    return submitted
+
+
 def make_scheduler(forward: FakeForward, **limits) -> BatchScheduler:
     limits.setdefault("window_ms", 0.0)
     return BatchScheduler(forward, BatchLimits(**limits))
@@ -73,9 +82,7 @@ def make_scheduler(forward: FakeForward, **limits) -> BatchScheduler:
 def test_calls_that_arrive_together_share_each_forward(forward) -> None:
     scheduler = make_scheduler(forward)
     try:
-        forward.hold()
-        first, _ = scheduler.submit("a", call("a"))
-        assert forward.entered.wait(WAIT_S)
+        first, _ = submit_held(scheduler, forward, "a", call("a"))
         # While "a" is in its forward, three multi-step calls arrive: they run as one batch per step.
         futures = [scheduler.submit(s, call(s, steps=3))[0] for s in ("b", "c", "d")]
         forward.gate.set()
@@ -90,9 +97,7 @@ def test_calls_that_arrive_together_share_each_forward(forward) -> None:
 def test_a_call_joins_a_running_multi_step_call_between_steps(forward) -> None:
     scheduler = make_scheduler(forward)
     try:
-        forward.hold()
-        long_call, long_load = scheduler.submit("long", call("long", steps=3))
-        assert forward.entered.wait(WAIT_S)
+        long_call, long_load = submit_held(scheduler, forward, "long", call("long", steps=3))
         short_call, short_load = scheduler.submit("short", call("short", steps=1))
         forward.gate.set()
         long_call.result(WAIT_S), short_call.result(WAIT_S)
@@ -107,9 +112,7 @@ def test_one_call_per_session_at_a_time_in_arrival_order(forward) -> None:
     scheduler = make_scheduler(forward)
     log: list = []
     try:
-        forward.hold()
-        first, _ = scheduler.submit("s", call("s", steps=2, log=log))
-        assert forward.entered.wait(WAIT_S)
+        first, _ = submit_held(scheduler, forward, "s", call("s", steps=2, log=log))
         second, _ = scheduler.submit("s", call("s", steps=1, log=log))
         other, _ = scheduler.submit("t", call("t", steps=1))
         forward.gate.set()
@@ -127,9 +130,7 @@ def test_token_cap_starves_nobody(forward) -> None:
     # was left out of a forward is the oldest and goes first in the next one.
     scheduler = make_scheduler(forward, max_batch_tokens=4)
     try:
-        forward.hold()
-        blocker, _ = scheduler.submit("x", call("x"))
-        assert forward.entered.wait(WAIT_S)
+        blocker, _ = submit_held(scheduler, forward, "x", call("x"))
         futures = [scheduler.submit("big", call("big", steps=3, tokens=4))[0]]
         futures += [scheduler.submit(f"s{i}", call(f"s{i}", steps=3))[0] for i in range(5)]
         forward.gate.set()
@@ -151,9 +152,7 @@ def test_token_cap_starves_nobody(forward) -> None:
 def test_full_queue_is_refused_with_a_retry_hint(forward) -> None:
     scheduler = make_scheduler(forward, max_batch=1, max_queue=1)
     try:
-        forward.hold()
-        running, _ = scheduler.submit("a", call("a"))
-        assert forward.entered.wait(WAIT_S)
+        running, _ = submit_held(scheduler, forward, "a", call("a"))
         queued, _ = scheduler.submit("b", call("b"))
         with pytest.raises(QueueFull) as refused:
             scheduler.submit("c", call("c"))
@@ -172,9 +171,7 @@ def test_deadline_expiring_in_the_queue_or_between_steps_stops_the_call(forward)
     scheduler = make_scheduler(forward)
     log: list = []
     try:
-        forward.hold()
-        running, _ = scheduler.submit("a", call("a", steps=3, log=log), timeout_s=2.0)
-        assert forward.entered.wait(WAIT_S)
+        running, _ = submit_held(scheduler, forward, "a", call("a", steps=3, log=log), timeout_s=2.0)
         waiting, _ = scheduler.submit("b", call("b", log=log), timeout_s=0.1)
         threading.Event().wait(2.2)  # both deadlines pass while the forward is held
         forward.gate.set()
@@ -194,9 +191,7 @@ def test_cancelled_calls_are_dropped_and_cleaned_up(forward) -> None:
     scheduler = make_scheduler(forward)
     log: list = []
     try:
-        forward.hold()
-        running, _ = scheduler.submit("a", call("a", steps=3, log=log))
-        assert forward.entered.wait(WAIT_S)
+        running, _ = submit_held(scheduler, forward, "a", call("a", steps=3, log=log))
         waiting, _ = scheduler.submit("b", call("b", log=log))
         assert waiting.cancel() and running.cancel()
         forward.gate.set()
@@ -211,9 +206,7 @@ def test_a_failed_forward_fails_its_calls_and_the_scheduler_goes_on(forward) -> 
     scheduler = make_scheduler(forward)
     log: list = []
     try:
-        forward.hold()
-        blocker, _ = scheduler.submit("x", call("x"))
-        assert forward.entered.wait(WAIT_S)
+        blocker, _ = submit_held(scheduler, forward, "x", call("x"))
         futures = [scheduler.submit(s, call(s, steps=2, log=log))[0] for s in ("a", "b")]
         forward.fail_with = "a"
         forward.gate.set()
@@ -244,9 +237,7 @@ def test_errors_inside_a_call_reach_only_that_call(forward) -> None:
 
 def test_close_fails_waiting_calls_as_unavailable(forward) -> None:
     scheduler = make_scheduler(forward, max_batch=1)
-    forward.hold()
-    running, _ = scheduler.submit("a", call("a", steps=2))
-    assert forward.entered.wait(WAIT_S)
+    running, _ = submit_held(scheduler, forward, "a", call("a", steps=2))
     waiting, _ = scheduler.submit("b", call("b"))
     closer = threading.Thread(target=scheduler.close)
     closer.start()
@@ -314,9 +305,7 @@ def test_utilisation_is_the_busy_fraction() -> None:
 def test_cancelled_or_expired_waiting_calls_free_their_queue_place(forward) -> None:
     scheduler = make_scheduler(forward, max_batch=1, max_queue=1)
     try:
-        forward.hold()
-        running, _ = scheduler.submit("a", call("a", steps=2))
-        assert forward.entered.wait(WAIT_S)
+        running, _ = submit_held(scheduler, forward, "a", call("a", steps=2))
         queued, _ = scheduler.submit("b", call("b"))
         assert queued.cancel()
         forward.gate.set()
@@ -340,9 +329,7 @@ def prompt_call(session: str, tokens: int, logits_rows: int = 2, crop_to: int = 
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(forward) -> None:
     scheduler = make_scheduler(forward, prefill_chunk=64)
     try:
-        forward.hold()
-        decode, _ = scheduler.submit("a", call("a", steps=5))
-        assert forward.entered.wait(WAIT_S)
+        decode, _ = submit_held(scheduler, forward, "a", call("a", steps=5))
         prompt, load = scheduler.submit("p", prompt_call("p", 150))
         forward.gate.set()
         # The prompt's call resumes once, with the output of its last chunk: the rows that have logits.
@@ -364,9 +351,7 @@ def test_a_prompt_alone_or_with_chunking_off_runs_whole(forward) -> None:
     forward = FakeForward()
     scheduler = make_scheduler(forward, prefill_chunk=0)
     try:
-        forward.hold()
-        decode, _ = scheduler.submit("a", call("a", steps=3))
-        assert forward.entered.wait(WAIT_S)
+        decode, _ = submit_held(scheduler, forward, "a", call("a", steps=3))
         prompt, _ = scheduler.submit("p", prompt_call("p", 150))
         forward.gate.set()
         assert prompt.result(WAIT_S) == 150 and decode.result(WAIT_S) == [1] * 3
@@ -391,9 +376,7 @@ def test_a_call_cancelled_between_prefill_chunks_spends_no_more_forwards() -> No
     forward = PausingForward()
     scheduler = make_scheduler(forward, prefill_chunk=8)
     try:
-        forward.hold()
-        decode, _ = scheduler.submit("a", call("a", steps=8))
-        assert forward.entered.wait(WAIT_S)
+        decode, _ = submit_held(scheduler, forward, "a", call("a", steps=8))
         log: list = []
 
         def logged_prompt():
@@ -417,9 +400,7 @@ def test_a_call_cancelled_between_prefill_chunks_spends_no_more_forwards() -> No
 def test_prompts_arriving_together_share_one_prompt_budget_per_forward(forward) -> None:
     scheduler = make_scheduler(forward, prefill_chunk=64)
     try:
-        forward.hold()
-        decode, _ = scheduler.submit("a", call("a", steps=4))
-        assert forward.entered.wait(WAIT_S)
+        decode, _ = submit_held(scheduler, forward, "a", call("a", steps=4))
         first, _ = scheduler.submit("p", prompt_call("p", 49))
         second, _ = scheduler.submit("q", prompt_call("q", 49))
         forward.gate.set()
