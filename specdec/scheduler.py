@@ -181,6 +181,12 @@ class BatchScheduler:
             return LoadSnapshot(self._utilisation(self._clock()), len(self._active), self._queued(),
                                 self._batch_ewma)
 
+    @property
+    def waiting_calls(self) -> int:
+        """Calls submitted and not yet admitted to the batch (they join the next forward with a free slot)."""
+        with self._cond:
+            return len(self._waiting)
+
     def _queued(self) -> int:
         """Calls that the next forward cannot take: beyond the free slots (lock held). A call that
         arrived during a forward and joins the next one is not queued."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 import time
+from typing import Callable
 
 import grpc
 import pytest
@@ -29,6 +31,27 @@ def slow_solo_forwards(model: torch.nn.Module, ms: float):
     (ragged, which does not go through the model's forward) do not. Calls sent together then surely
     overlap a forward and meet in the next one, however fast or loaded the machine is."""
     handle = model.register_forward_pre_hook(lambda module, args: time.sleep(ms / 1000.0))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def hold_first_solo_forward(model: torch.nn.Module, until: Callable[[], bool], timeout_s: float = 20.0):
+    """The first forward of one call alone waits (up to timeout_s) until `until()` holds: calls sent
+    meanwhile are all in the scheduler when it ends, and the next forward selects among all of them,
+    whatever the order and timing of their arrival."""
+    held = threading.Event()
+
+    def hold(module, args) -> None:
+        if held.is_set():
+            return
+        held.set()
+        deadline = time.monotonic() + timeout_s
+        while not until() and time.monotonic() < deadline:
+            time.sleep(0.005)
+    handle = model.register_forward_pre_hook(hold)
     try:
         yield
     finally:
@@ -131,18 +154,25 @@ async def test_concurrent_streams_are_token_identical_to_each_alone(speculation:
         # Prompts longer than a decode step (33 rows) where prefills are chunked.
         prompts = PROMPTS if prefill_chunk == 64 else [p * 3 for p in PROMPTS]
         alone = [reference_greedy(p, 24) for p in prompts]
-        forwards_before = stack.target.scheduler.forwards
-        with slow_solo_forwards(stack.target.core.model, 30):
+        target = stack.target.scheduler
+        forwards_before = target.forwards
+        if prefill_chunk == 64:
+            meet = slow_solo_forwards(stack.target.core.model, 30)
+        else:
+            # Prompts of 12 to 30 tokens verify 3 drafts in a decode-sized step (<= 33 rows); those of
+            # 39 to 75 do not. Holding the first forward until the other 7 calls wait puts both kinds
+            # in the next forward: the long ones are chunked between the short ones' decode steps.
+            meet = hold_first_solo_forward(stack.target.core.model, lambda: target.waiting_calls >= len(prompts) - 1)
+        with meet:
             replies = await asyncio.gather(*(stack.generate(prompt_ids=p, max_new_tokens=24,
                                                             speculation=speculation) for p in prompts))
         assert [list(r.token_ids) for r in replies] == alone
         # The streams really shared forwards on the target.
-        target = stack.target.scheduler
         forwards = target.forwards - forwards_before
         assert forwards > 0 and target.batched_sessions > target.forwards, (forwards, target.batched_sessions)
         if speculation.get("fixed_k"):
             assert stack.draft.scheduler.batched_sessions > stack.draft.scheduler.forwards
-        if prefill_chunk == 4:  # prompts of 36 to 75 tokens met other calls' decode steps in chunks
+        if prefill_chunk == 4:  # prompts of 39 to 75 tokens met other calls' decode steps in chunks
             assert target.prefill_chunks > 0
     finally:
         await stack.close()
