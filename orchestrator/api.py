@@ -46,6 +46,7 @@ class GenerationStats:
     predraft_hits: int = 0
     predraft_misses: int = 0
     predraft_saved_ms: float = 0.0
+    guard_off_rounds: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -72,6 +73,7 @@ class GenerationStats:
         self.verify_ms += record.verify_ms
         self.reprefills += record.reprefills
         self.fallback_rounds += int(record.fallback)
+        self.guard_off_rounds += int(record.guard == "off")
         self.bytes_to_draft += record.bytes_to_draft
         self.bytes_from_draft += record.bytes_from_draft
         self.bytes_to_target += record.bytes_to_target

@@ -10,6 +10,7 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
+from orchestrator.guard import GuardSettings
 from orchestrator.kpolicy import BanditPolicy, CostModelPolicy, FixedPolicy, HeuristicPolicy, KPolicy
 from specdec.contract import MAX_K
 from specdec.errors import InvalidRequest
@@ -66,6 +67,20 @@ class SpeculationConfig:
         "does not wait for the draft's prefill. For the `cost` and `bandit` policies with min_k = 0, "
         "when the target has more than 16 tokens to prefill. Off by default for the same reason as "
         "`pipeline`: on one shared CPU the two prefills compete for the same cores."))
+    guard: bool = field(default=True, metadata=_doc(
+        "Pair guard: the worker pair runs in epochs, speculating or target-only for all its sessions at "
+        "once, and keeps the mode whose steady rounds made more tokens per second, re-measuring the other "
+        "in short epochs (docs/adaptive-k.md, \"The pair guard\"). It catches what per-session costs "
+        "miss: a co-located draft slowing every verify, load. For the `cost` and `bandit` policies with "
+        "min_k = 0."))
+    guard_spec_rounds: int = field(default=32, metadata=_doc(
+        "Pair guard: fewest counted rounds of a speculating epoch. The winning mode's epochs also "
+        "last 4x the time of the other mode's last epoch, doubled per decision that confirms it, and "
+        "long enough that the loser's epochs cost about 3 % of throughput; up to 64x."))
+    guard_off_rounds: int = field(default=8, metadata=_doc(
+        "Pair guard: fewest counted rounds of a target-only epoch."))
+    guard_margin: float = field(default=0.03, metadata=_doc(
+        "Pair guard: the losing mode must beat the winner by this fraction to take over."))
     heuristic_initial_k: int = field(default=4, metadata=_doc("First k of the `heuristic` policy."))
     probe_every: int = field(default=16, metadata=_doc(
         "`cost` policy: after this many target-only rounds, draft one token to re-measure acceptance "
@@ -87,9 +102,14 @@ class SpeculationConfig:
             raise SpeculationConfigError(f"min_draft_prob must be in [0, 1], got {self.min_draft_prob}")
         if not 1 <= self.heuristic_initial_k <= MAX_K:
             raise SpeculationConfigError(f"heuristic_initial_k must be in [1, {MAX_K}], got {self.heuristic_initial_k}")
-        for name in ("pipeline", "overlap_prefill"):
+        for name in ("pipeline", "overlap_prefill", "guard"):
             if not isinstance(getattr(self, name), bool):
                 raise SpeculationConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+               for n in (self.guard_spec_rounds, self.guard_off_rounds)):
+            raise SpeculationConfigError("guard_spec_rounds and guard_off_rounds must be >= 1")
+        if not 0.0 <= self.guard_margin < 1.0:  # also rejects NaN
+            raise SpeculationConfigError(f"guard_margin must be in [0, 1), got {self.guard_margin}")
         if self.probe_every < 0:
             raise SpeculationConfigError(f"probe_every must be >= 0, got {self.probe_every}")
         if not self.bandit_exploration >= 0.0 or not self.bandit_prior_weight > 0.0:
@@ -101,6 +121,16 @@ class SpeculationConfig:
         """Whether turns overlap their first round's prefills (see overlap_prefill): only for policies
         that pick k = 0 themselves; a `fixed` or `heuristic` k is that of every round."""
         return self.overlap_prefill and self.policy in ("cost", "bandit") and self.min_k == 0
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the pair guard may run this request's rounds target-only (see guard): only for
+        policies that pick k = 0 themselves; a `fixed` or `heuristic` k is what the caller asked for."""
+        return self.guard and self.policy in ("cost", "bandit") and self.min_k == 0 < self.max_k
+
+    def guard_settings(self) -> GuardSettings:
+        return GuardSettings(spec_rounds=self.guard_spec_rounds, off_rounds=self.guard_off_rounds,
+                             margin=self.guard_margin)
 
     def with_override(self, override: SpeculationOverride) -> "SpeculationConfig":
         """A request's view of the config. Precedence: request fixed_k > request fields > server."""

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from orchestrator.api import EngineLimits, GenerateParams, GenerationEvent, GenerationStats
 from orchestrator.backends import DraftBackend, TargetBackend, WorkerDescription
 from orchestrator.config import SpeculationConfig
+from orchestrator.guard import TARGET_ONLY, PairGuard
 from orchestrator.kpolicy import SessionStats, TargetLoad
 from orchestrator.record import RoundObserver, RoundRecord
 from orchestrator.rounds import Deadline, DraftHealth, Round, Workers
@@ -68,6 +69,8 @@ class GenerationEngine:
         self.priors: dict[str, SessionStats] = {}
         # Where a new pair's prior starts: the workers' own cost curves, measured at their startup.
         self.seed_stats = seeded_stats(draft_info, target_info, self.speculation.max_k)
+        # One guard per worker pair: it measures whether the pair as a whole gains by speculating.
+        self.guards: dict[str, PairGuard] = {}
         self.sessions = OrchestratorSessions(limits.max_sessions, limits.session_ttl_s, self._end_on_workers)
         self._background: set[asyncio.Task[Any]] = set()
         self.workers = Workers(draft, target, limits.draft_timeout_s, limits.target_retry_s, self._draft_health_for,
@@ -155,6 +158,10 @@ class GenerationEngine:
     def prior_for(self, session_id: str) -> SessionStats:
         return _bounded_entry(self.priors, self.pair_key(session_id), self._new_prior)
 
+    def guard_for(self, session_id: str) -> PairGuard:
+        key = self.pair_key(session_id)
+        return _bounded_entry(self.guards, key, lambda: PairGuard(self.speculation.guard_settings(), key))
+
     def _new_prior(self) -> SessionStats:
         prior = copy.deepcopy(self.seed_stats)
         prior.timing.load = self.seed_stats.timing.load.fresh()  # one live load per worker pair
@@ -240,15 +247,21 @@ class GenerationEngine:
                        max_k=spec.max_k, overlap_prefill=spec.overlaps_prefill)
         stats = GenerationStats(seed=seed, prompt_tokens=prompt_len)
         prior = self.prior_for(session.session_id)
-        observers: list[Any] = [stats, session.stats, _PriorObserver(prior), *self.observers]
+        guard = self.guard_for(session.session_id) if spec.guarded else None
+        observers: list[Any] = [stats, *self.observers]
+        learners: list[Any] = [session.stats, _PriorObserver(prior)]  # what the policy knows
         label = "" if session.ephemeral else session.session_id
         try:
             while True:
+                ticket = guard.decide() if guard is not None else None
+                forced_off = ticket is not None and ticket.mode == TARGET_ONLY
+                k = 0 if forced_off else policy.next_k(session.stats, spec.min_k, spec.max_k)
                 # A round yields up to k+1 tokens: never draft past the budget, nor past the draft's context.
-                k = min(policy.next_k(session.stats, spec.min_k, spec.max_k), stop.remaining - 1,
-                        self.draft_max_context - len(session.tokens))
-                record = await round_.run(max(0, k))
-                for observer in observers:
+                k = min(k, stop.remaining - 1, self.draft_max_context - len(session.tokens))
+                record = await round_.run_guarded(max(0, k), guard, ticket)
+                # A round the guard forced to k = 0 is not the policy's choice: its cost, with the whole
+                # pair off, is not what a k = 0 of this session alone costs. The policy does not learn it.
+                for observer in observers + ([] if forced_off else learners):
                     observer.observe(record)
                 if record.finish is not None:
                     break

@@ -40,6 +40,8 @@ class OrchestratorMetrics:
         self.sessions = Gauge("specdec_sessions", "Sessions held by the orchestrator", registry=r)
         self.predrafts = Counter("specdec_predrafts", "Pipelined pre-drafts by outcome (hit: used as the "
                                  "next round's drafts; miss: discarded)", ["outcome"], registry=r)
+        self.guard_rounds = Counter("specdec_guard_rounds", "Guarded rounds by the pair guard's epoch (spec: "
+                                    "the policy's k; off: k forced to 0 for the whole pair)", ["mode"], registry=r)
         self.predraft_saved = Counter("specdec_predraft_saved_seconds", "Draft time that pipelined rounds "
                                       "did not wait for", registry=r)
 
@@ -67,6 +69,8 @@ class OrchestratorMetrics:
             self.predraft_saved.inc(record.predraft_saved_ms / 1000)
         if record.reprefills:
             self.reprefills.inc(record.reprefills)
+        if record.guard:
+            self.guard_rounds.labels(mode=record.guard).inc()
 
     def request_done(self, method: str, code: str, seconds: float, tokens: int) -> None:
         self.requests.labels(method=method, code=code).inc()

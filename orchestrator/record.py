@@ -46,6 +46,8 @@ class RoundRecord:
     target_batch: float = 1.0
     target_rows: float = 0.0
     target_waiting: int = 0
+    # The pair guard's epoch this round ran in: "spec", "off" (k forced to 0), or "" (not guarded).
+    guard: str = ""
 
     @property
     def drafted(self) -> int:

@@ -26,10 +26,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.backends import DraftBackend, DraftReply, TargetBackend, VerifyReply
+from orchestrator.guard import GuardTicket, PairGuard
 from orchestrator.record import RoundRecord
 from orchestrator.sessions import OrchestratorSession
 from orchestrator.stopping import StopConditions
@@ -133,6 +135,18 @@ class Round:
         self.min_draft_prob = min_draft_prob
         self.policy_name = policy_name
         self.index = 0
+
+    async def run_guarded(self, k: int, guard: PairGuard | None, ticket: GuardTicket | None) -> RoundRecord:
+        """run(k), with the worker pair's guard told what the round made (or that it measured nothing)."""
+        if guard is None or ticket is None:
+            return await self.run(k)
+        try:
+            record = await self.run(k)
+        except BaseException:
+            guard.abandon(ticket)
+            raise
+        guard.observe(ticket, len(record.emitted), record.round_ms, record.steady, record.drafted > 0)
+        return dataclasses.replace(record, guard=ticket.mode)
 
     async def run(self, k: int) -> RoundRecord:
         """Propose k tokens (k = 0: target-only), verify them, append the outcome to the canonical list."""

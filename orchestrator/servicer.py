@@ -61,7 +61,8 @@ def stats_to_pb(s: GenerationStats) -> orchestrator_pb2.GenerationStats:
         k_per_round=s.k_per_round, draft_ms=s.draft_ms, verify_ms=s.verify_ms, overhead_ms=s.overhead_ms,
         total_ms=s.total_ms, tokens_per_second=s.tokens_per_second, new_tokens=s.new_tokens,
         reprefills=s.reprefills, bytes_to_draft=s.bytes_to_draft, bytes_to_target=s.bytes_to_target,
-        seed=s.seed, fallback_rounds=s.fallback_rounds, prompt_tokens=s.prompt_tokens,
+        seed=s.seed, fallback_rounds=s.fallback_rounds, guard_off_rounds=s.guard_off_rounds,
+        prompt_tokens=s.prompt_tokens,
         cached_prompt_tokens=s.cached_prompt_tokens, bytes_from_draft=s.bytes_from_draft,
         bytes_from_target=s.bytes_from_target, predraft_hits=s.predraft_hits,
         predraft_misses=s.predraft_misses, predraft_saved_ms=s.predraft_saved_ms)

@@ -40,6 +40,7 @@ class RoundTrace:
     target_batch: float = 1.0
     target_rows: float = 0.0
     target_waiting: int = 0
+    guard: str = ""  # the pair guard's epoch: "spec", "off" (k forced to 0), "" (not guarded)
 
     @property
     def pattern(self) -> list[int]:
@@ -66,7 +67,7 @@ class TraceWriter:
             greedy=record.greedy, fallback=record.fallback, draft_token_ms=round(record.draft_token_ms, 3),
             draft_confidences=[round(p, 5) for p in record.draft_confidences],
             target_batch=round(record.target_batch, 2), target_rows=round(record.target_rows, 1),
-            target_waiting=record.target_waiting))
+            target_waiting=record.target_waiting, guard=record.guard))
 
     def write(self, trace: RoundTrace) -> None:
         line = json.dumps(asdict(trace), separators=(",", ":"))

@@ -88,15 +88,21 @@ POLICIES: dict[str, dict[str, int]] = {"fixed3": {"fixed_k": 3}, "default": {},
                                         # first 3 tokens (a hit needs 2 tokens left after a round).
                                         "pipelined-k1": {"fixed_k": 1, "pipeline": True},
                                         # The server's prefill overlap, with the default policy.
-                                        "overlap": {}}
-SERVER_SPECULATION = {"overlap": SpeculationConfig(overlap_prefill=True)}
+                                        "overlap": {},
+                                        # The pair guard switching epochs after every counted round.
+                                        "guard-flips": {}}
+# The pair guard would soon run these tiny models target-only (their draft does not pay): the
+# variants that test speculative paths keep it off, and "guard-flips" tests it.
+SERVER_SPECULATION = {"default": SpeculationConfig(guard=False),
+                      "overlap": SpeculationConfig(overlap_prefill=True, guard=False),
+                      "guard-flips": SpeculationConfig(guard_spec_rounds=1, guard_off_rounds=1, guard_margin=0.0)}
 EXTRA_TOKENS = {"pipelined-k1": 2}   # generated past NEW_TOKENS; the first NEW_TOKENS are tested
 WARPINGS: dict[str, SamplingConfig] = {
     "nowarp": SamplingConfig(TEMPERATURE),
     "topk3-topp0.73": SamplingConfig(TEMPERATURE, top_k=3, top_p=0.73),
 }
 DEFAULT_SUITE = {("fixed3", "nowarp", MIN_DRAFT_PROB["nowarp"]), ("default", "topk3-topp0.73", 0.0),
-                 ("pipelined-k1", "nowarp", 0.0), ("overlap", "nowarp", 0.0)}
+                 ("pipelined-k1", "nowarp", 0.0), ("overlap", "nowarp", 0.0), ("guard-flips", "nowarp", 0.0)}
 VARIANTS = [
     pytest.param(policy, warping, min_draft_prob, id=f"{policy}-{warping}-mdp{min_draft_prob}",
                  marks=() if (policy, warping, min_draft_prob) in DEFAULT_SUITE else pytest.mark.slow)
@@ -252,6 +258,7 @@ class Sample:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     predraft_hits: int = 0
+    guard_off_rounds: int = 0
 
 
 async def sample_outputs(stack: stack_module.Stack, n: int, cfg: SamplingConfig,
@@ -274,6 +281,7 @@ async def sample_outputs(stack: stack_module.Stack, n: int, cfg: SamplingConfig,
             assert reply.finish_reason == orchestrator_pb2.FINISH_REASON_LENGTH
             sample.counts[tuple(reply.token_ids[:NEW_TOKENS])] += 1
             sample.predraft_hits += reply.stats.predraft_hits
+            sample.guard_off_rounds += reply.stats.guard_off_rounds
             sample.draft_tokens += reply.stats.draft_tokens
             sample.accepted_tokens += reply.stats.accepted_tokens
     return sample
@@ -332,6 +340,8 @@ async def test_first_tokens_follow_target_distribution(small_vocab_models: None,
         # "overlap": round 1 is sampled by the target alone while the draft pre-drafts; round 2 uses
         # that pre-draft on a hit (orchestrator/rounds.py): that path must be in the sample.
         assert sample.predraft_hits > 0.05 * n, f"pre-draft hits {sample.predraft_hits} in {n} requests"
+    if policy == "guard-flips":  # both kinds of epoch are in the sample
+        assert sample.guard_off_rounds > 0.05 * n, f"{sample.guard_off_rounds} forced k = 0 rounds in {n} requests"
     fit = pearson_fit(sample.counts, reference)
     control_fit = pearson_fit(sample.counts, control)
     acceptance = sample.accepted_tokens / sample.draft_tokens

@@ -39,6 +39,7 @@ class Level:
     accepted_tokens: int = 0
     rounds: int = 0
     k_sum: int = 0
+    guard_off_rounds: int = 0  # rounds the pair guard ran target-only
 
     def summary(self) -> dict[str, Any]:
         return {"mode": self.mode, "streams": self.streams, "requests": self.requests, "tokens": self.tokens,
@@ -50,6 +51,7 @@ class Level:
                 "mismatches": self.mismatches, "errors": self.errors,
                 "acceptance": round(self.accepted_tokens / self.draft_tokens, 3) if self.draft_tokens else None,
                 "mean_k": round(self.k_sum / self.rounds, 2) if self.rounds else 0.0,
+                "guard_off_share": round(self.guard_off_rounds / self.rounds, 3) if self.rounds else 0.0,
                 "wall_s": round(self.wall_s, 1)}
 
 
@@ -74,6 +76,7 @@ async def _one(stub: Any, prompt_ids: list[int], max_new: int, fixed_k: int | No
                 level.accepted_tokens += chunk.stats.accepted_tokens
                 level.rounds += chunk.stats.rounds
                 level.k_sum += sum(chunk.stats.k_per_round)
+                level.guard_off_rounds += chunk.stats.guard_off_rounds
     except grpc.aio.AioRpcError as err:
         level.errors[err.code().name] = level.errors.get(err.code().name, 0) + 1
         return None
@@ -114,7 +117,7 @@ async def sweep(address: str, prompts: list[list[int]], levels: list[int], reque
 
 def markdown(levels: list[Level]) -> str:
     rows = ["| mode | streams | tok/s | x one stream | ITL p50 / p99 ms | TTFT p50 / p99 ms | acceptance | mean k | "
-            "differs from alone | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "guard: rounds off | differs from alone | errors |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {lv.mode: lv.summary()["tokens_per_s"] for lv in levels if lv.streams == 1}
     for lv in levels:
         s = lv.summary()
@@ -122,6 +125,7 @@ def markdown(levels: list[Level]) -> str:
         rows.append(f"| {lv.mode} | {lv.streams} | {s['tokens_per_s']:.2f} | {ratio:.2f}x | "
                     f"{s['itl_p50_ms']:.0f} / {s['itl_p99_ms']:.0f} | {s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | "
                     f"{s['acceptance'] if s['acceptance'] is not None else '-'} | {s['mean_k']} | "
+                    f"{s['guard_off_share']:.0%} | "
                     f"{lv.mismatches}/{lv.requests} | "
                     f"{sum(lv.errors.values())} |")
     spec = {lv.streams: lv.summary()["tokens_per_s"] for lv in levels if lv.mode == "speculative"}

@@ -106,7 +106,9 @@ def build(traces: Sequence) -> TraceData:
         if t.draft_token_ms > 0:
             # Timed apart from catch-up, so valid after a prefill or a fully accepted round too.
             draft_per_token.append(t.draft_token_ms)
-        if t.draft_prefilled <= 2 and t.target_prefilled <= 1 and not t.fallback:
+        # A round the pair guard forced to k = 0 ran with the whole pair off: its verify time is not
+        # what a k = 0 of one session costs beside the others' drafts.
+        if t.draft_prefilled <= 2 and t.target_prefilled <= 1 and not t.fallback and t.guard != "off":
             if t.drafted > 0 and not t.draft_token_ms:  # older traces: whole call over its forwards
                 draft_per_token.append(t.draft_ms / draft_forwards(t.k, t.drafted))
             verify_by_k.setdefault(t.drafted, []).append(t.verify_ms)

@@ -1,0 +1,173 @@
+"""The pair guard: a measured check that speculation beats target-only on a worker pair as a whole.
+
+The k policies (kpolicy.py) price each session's k from a model of the pair's costs. What no
+per-session model sees is what the sessions do to each other:
+- co-located workers: while any session drafts, the draft's forwards take the cores that every
+  session's verify needs, a k = 0 verify included;
+- under load, the rows one session's drafts add to everyone's batched forward, and whatever else
+  slows forwards.
+So the guard measures instead of modelling. It runs the pair in epochs, either speculating (each
+session's policy picks k) or target-only (k = 0 for every guarded session of the pair at once, so
+the draft's load is really gone), and compares the tokens per millisecond that the sessions' steady
+rounds made in each. Most of the time the pair runs the mode that won; short epochs of the other
+mode re-measure it. The winner's epochs last 4x the time of the other's, doubled per decision that
+confirms it (up to 4 x `max_stretch`), and long enough that the loser's epochs cost about
+MEASUREMENT_COST of the throughput: a clear winner is re-checked ever more rarely.
+
+What a round counts for: only steady rounds (a prompt's prefill would swamp the per-token rates),
+decided in the current epoch after every round of earlier epochs had ended. Not counted in either
+mode: prompts, and the draft's catch-up on the tokens of a target-only epoch (the first speculating
+round of each session after one; in a target-only epoch the draft is not fed). Pure Python, no
+clock: rates come from the rounds' own times, so tests drive it with synthetic rounds.
+
+Lossless by construction: the guard only chooses k, before a round runs, from earlier rounds' times.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+SPECULATE, TARGET_ONLY = "spec", "off"
+MEASUREMENT_COST = 0.03  # what the losing mode's re-measurements may cost, as a fraction of throughput
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    spec_rounds: int = 32   # fewest counted rounds of a speculating epoch
+    off_rounds: int = 8     # fewest counted rounds of a target-only epoch (they vary little: one token each)
+    margin: float = 0.03    # the other mode must win by this fraction to flip the decision
+    max_stretch: int = 16   # the winner's epochs last 4x the other mode's last epoch, x2 per confirmation, up to 4x this
+
+    def validate(self) -> "GuardSettings":
+        if self.spec_rounds < 1 or self.off_rounds < 1 or self.max_stretch < 1:
+            raise ValueError("guard epochs need at least one round and max_stretch >= 1")
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"guard margin must be in [0, 1), got {self.margin}")
+        return self
+
+
+@dataclass(frozen=True)
+class GuardTicket:
+    """What the guard decided for one round; handed back with the round's outcome (or abandoned)."""
+    epoch: int
+    mode: str
+    clean: bool  # no round of an earlier epoch was still running when this one was decided
+
+
+class PairGuard:
+    """One worker pair's measured choice between speculating and target-only (see the module doc).
+
+    Shared by every session on the pair (deepcopy returns it), like the pair's TargetLoad."""
+
+    def __init__(self, settings: GuardSettings = GuardSettings(), name: str = "pair") -> None:
+        self.settings = settings.validate()
+        self.name = name
+        self.speculation_wins = True  # what the last comparison found (a new pair starts speculating)
+        self.streak = 0               # decisions in a row that confirmed it
+        self.epoch = 0
+        self.mode = SPECULATE         # what the current epoch runs
+        self.rates: dict[str, float | None] = {SPECULATE: None, TARGET_ONLY: None}  # tokens per ms
+        self.decisions = 0
+        self.flips = 0
+        self._outstanding: dict[int, int] = {}  # epoch -> rounds decided in it and still running
+        self._last_ms = {SPECULATE: 0.0, TARGET_ONLY: 0.0}  # counted round time of each mode's last epoch
+        self._needed_rounds, self._needed_ms = self._length(SPECULATE)
+        self._counted = 0
+        self._drafting = 0    # counted rounds that drafted
+        self._tokens = 0.0
+        self._ms = 0.0
+
+    def __deepcopy__(self, memo: dict) -> "PairGuard":
+        return self
+
+    # ------------------------------------------------------------------ rounds
+    def decide(self) -> GuardTicket:
+        """Before a round: TARGET_ONLY means it runs k = 0 (the policy is not asked), SPECULATE that
+        the session's policy picks k. Hand the ticket back to observe() or abandon()."""
+        clean = all(epoch == self.epoch for epoch in self._outstanding)
+        self._outstanding[self.epoch] = self._outstanding.get(self.epoch, 0) + 1
+        return GuardTicket(self.epoch, self.mode, clean)
+
+    def abandon(self, ticket: GuardTicket) -> None:
+        """The round failed or was cancelled: it measured nothing."""
+        left = self._outstanding.get(ticket.epoch, 0) - 1
+        if left > 0:
+            self._outstanding[ticket.epoch] = left
+        else:
+            self._outstanding.pop(ticket.epoch, None)
+
+    def observe(self, ticket: GuardTicket, tokens: int, round_ms: float, steady: bool, drafted: bool) -> None:
+        """The round decided under `ticket` made `tokens` tokens in `round_ms` (drafted: it ran k > 0).
+
+        It counts only if it is steady, of the current epoch, and was decided after every round of
+        earlier epochs had ended: a target-only round beside another session's speculating round
+        still shares the draft's load, and the other way round."""
+        self.abandon(ticket)
+        if ticket.epoch != self.epoch or not ticket.clean or not steady or round_ms <= 0:
+            return
+        self._counted += 1
+        self._drafting += int(drafted)
+        self._tokens += tokens
+        self._ms += round_ms
+        if self._counted >= self._needed_rounds and self._ms >= self._needed_ms:
+            self._end_epoch()
+
+    # ------------------------------------------------------------------ epochs
+    @property
+    def winner(self) -> str:
+        return SPECULATE if self.speculation_wins else TARGET_ONLY
+
+    def _length(self, mode: str) -> tuple[int, float]:
+        """(fewest counted rounds, fewest counted ms) of an epoch of `mode`. The other mode's epochs
+        only measure: their base rounds. The winner's also last 4x the time of the other mode's last
+        epoch, doubled per confirming decision, and at least loss / MEASUREMENT_COST times it: the
+        losing mode never takes more than a fifth of the pair's time, less the further it is behind,
+        and ever less while the decision holds."""
+        rounds = self.settings.spec_rounds if mode == SPECULATE else self.settings.off_rounds
+        if mode != self.winner:
+            return rounds, 0.0
+        loser = TARGET_ONLY if mode == SPECULATE else SPECULATE
+        factor = 4.0 * min(2 ** self.streak, self.settings.max_stretch)
+        won, lost = self.rates[mode], self.rates[loser]
+        if won and lost is not None:
+            # The further behind the loser, the more its epochs cost: long enough that they cost
+            # about MEASUREMENT_COST of the pair's throughput (a loser at 0.6x: 13x its time).
+            factor = max(factor, max(0.0, 1.0 - lost / won) / MEASUREMENT_COST)
+        return rounds, min(factor, 4.0 * self.settings.max_stretch) * self._last_ms[loser]
+
+    def _end_epoch(self) -> None:
+        self.rates[self.mode] = self._tokens / self._ms
+        self._last_ms[self.mode] = self._ms
+        measured = self.mode != self.winner  # the short epoch of the other mode just ended
+        if measured:
+            self._decide()
+        # After a measurement the winner runs; after the winner's epoch, the other mode measures.
+        self.mode = self.winner if measured else (TARGET_ONLY if self.mode == SPECULATE else SPECULATE)
+        self.epoch += 1
+        self._needed_rounds, self._needed_ms = self._length(self.mode)
+        self._counted, self._drafting, self._tokens, self._ms = 0, 0, 0.0, 0.0
+
+    def _decide(self) -> None:
+        spec, off = self.rates[SPECULATE], self.rates[TARGET_ONLY]
+        if spec is None or off is None:
+            return
+        margin = self.settings.margin
+        # Hysteresis: the current winner keeps its place unless the other mode beats it by the margin.
+        wins = spec >= off * (1.0 - margin) if self.speculation_wins else spec > off * (1.0 + margin)
+        if wins and not self.speculation_wins and 2 * self._drafting < self._counted:
+            # The policies themselves ran target-only through most of the probe: its rate is that of
+            # k = 0 again, and says nothing for drafting.
+            wins = False
+        self.decisions += 1
+        if wins == self.speculation_wins:
+            self.streak += 1
+        else:
+            self.flips += 1
+            self.streak = 0
+            self.speculation_wins = wins
+            # Speculation switched off on a pair is a degraded mode an operator wants to see.
+            log.log(logging.INFO if wins else logging.WARNING,
+                    "pair %s: %s now (speculating %.2f tok/s per session, target-only %.2f)", self.name,
+                    "speculating" if wins else "target-only", spec * 1000.0, off * 1000.0)

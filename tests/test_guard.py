@@ -1,0 +1,220 @@
+"""The pair guard (orchestrator/guard.py): driven by synthetic rounds (no gRPC, no clock), then on a\nreal pair over gRPC with co-located workers emulated."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import math
+import time
+
+import pytest
+
+from orchestrator.config import SpeculationConfig, SpeculationConfigError, SpeculationOverride
+from orchestrator.guard import MEASUREMENT_COST, SPECULATE, TARGET_ONLY, GuardSettings, PairGuard
+from tests.stack import Stack, start_stack
+from tests.test_e2e_generate import reference_greedy
+
+def play(guard: PairGuard, rounds: int, spec_round: tuple[int, float], off_round: tuple[int, float],
+         proposed_k: int = 4, zero_in_spec_epoch: tuple[int, float] | None = None) -> list[int]:
+    """One round after another; a round at k > 0 makes spec_round = (tokens, ms), one at k = 0
+    off_round (or zero_in_spec_epoch, when given, in a speculating epoch). Returns the k each round ran."""
+    ks = []
+    for _ in range(rounds):
+        ticket = guard.decide()
+        k = 0 if ticket.mode == TARGET_ONLY else proposed_k
+        tokens, ms = spec_round if k > 0 else off_round
+        if k == 0 and ticket.mode == SPECULATE and zero_in_spec_epoch is not None:
+            tokens, ms = zero_in_spec_epoch
+        guard.observe(ticket, tokens, ms, steady=True, drafted=k > 0)
+        ks.append(k)
+    return ks
+
+
+def test_where_speculation_wins_the_pair_keeps_it_and_measures_target_only_ever_more_rarely() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    ks = play(guard, 6000, spec_round=(3, 100.0), off_round=(1, 50.0))  # 30 against 20 tokens per second
+    assert guard.speculation_wins and guard.flips == 0 and guard.decisions >= 4
+    assert guard.rates[SPECULATE] == pytest.approx(0.03) and guard.rates[TARGET_ONLY] == pytest.approx(0.02)
+    # 32 speculating rounds, 8 target-only, then speculating epochs of at least 4x (and at least
+    # loss 1/3 / MEASUREMENT_COST = 11x) the time of the last target-only one (400 ms), the 4x doubled
+    # per confirmation up to 64x: 45, 45, 64, 128, then 256 rounds for ever.
+    assert ks[:48] == [4] * 32 + [0] * 8 + [4] * 8
+    off = ks.count(0)
+    assert 0 < off < 0.05 * len(ks), off
+    late = ks[3000:]
+    assert late.count(0) <= 8 * (len(late) // 256 + 1)
+
+
+def test_where_target_only_wins_the_pair_stops_speculating_after_one_measurement() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    # Speculating, 3 tokens in 200 ms: 15 tokens/s against 20 target-only.
+    ks = play(guard, 3000, spec_round=(3, 200.0), off_round=(1, 50.0))
+    assert not guard.speculation_wins and guard.flips == 1
+    # The first speculating epoch and one measurement decide it. Then target-only holds for the time
+    # of the last speculating epoch (6400 ms) x max(4, loss 25 % / MEASUREMENT_COST) = 53.3 s, 1067
+    # rounds; then a probe of 32 rounds.
+    hold = math.ceil(6400.0 * 0.25 / MEASUREMENT_COST / 50.0)
+    assert hold == 1067
+    assert ks[:32] == [4] * 32 and ks[32:32 + 8 + hold] == [0] * (8 + hold)
+    assert ks[40 + hold:72 + hold] == [4] * 32
+    spec_ms = 200.0 * ks[32:].count(4)
+    off_ms = 50.0 * ks[32:].count(0)
+    # The losing mode's share of the pair's time, about MEASUREMENT_COST / loss at most, falling.
+    assert 0 < spec_ms / (spec_ms + off_ms) < MEASUREMENT_COST / 0.25, (spec_ms, off_ms)
+
+
+def test_the_guard_follows_a_change_of_winner_both_ways(caplog: pytest.LogCaptureFixture) -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=16, off_rounds=4))
+    caplog.set_level(logging.INFO, logger="orchestrator.guard")
+    play(guard, 400, spec_round=(3, 200.0), off_round=(1, 50.0))
+    assert not guard.speculation_wins
+    play(guard, 4000, spec_round=(3, 60.0), off_round=(1, 50.0))  # the load went away: speculation wins
+    assert guard.speculation_wins and guard.flips == 2
+    assert "target-only now" in caplog.text and "speculating now" in caplog.text
+
+
+def test_hysteresis_keeps_the_winner_within_the_margin() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=16, off_rounds=4, margin=0.05))
+    play(guard, 2000, spec_round=(98, 100.0 * 50), off_round=(1, 50.0))  # 2 % slower speculating
+    assert guard.speculation_wins and guard.flips == 0 and guard.decisions > 0
+    guard = PairGuard(GuardSettings(spec_rounds=16, off_rounds=4, margin=0.0))
+    play(guard, 2000, spec_round=(98, 100.0 * 50), off_round=(1, 50.0))
+    assert not guard.speculation_wins
+
+
+def test_only_steady_rounds_decided_after_the_last_epochs_rounds_ended_count() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=2, off_rounds=2))
+    prompt, first, second, late = guard.decide(), guard.decide(), guard.decide(), guard.decide()
+    assert all(t.mode == SPECULATE and t.clean for t in (prompt, first, second, late))
+    guard.observe(prompt, 50, 10.0, steady=False, drafted=True)  # a prompt round: not counted
+    guard.observe(first, 3, 10.0, steady=True, drafted=True)
+    assert guard.epoch == 0
+    guard.observe(second, 5, 30.0, steady=True, drafted=True)  # the second counted round ends the epoch
+    assert guard.epoch == 1 and guard.mode == TARGET_ONLY and guard.rates[SPECULATE] == pytest.approx(8 / 40)
+    # `late` (speculating, decided in epoch 0) is still running: rounds decided now share its load.
+    beside = guard.decide()
+    assert beside.mode == TARGET_ONLY and not beside.clean
+    guard.observe(late, 100, 1.0, steady=True, drafted=True)  # epoch 0's: says nothing about epoch 1
+    failed = guard.decide()
+    assert failed.clean
+    guard.abandon(failed)  # a round that raised: released, measured nothing
+    after = [guard.decide() for _ in range(2)]
+    guard.observe(beside, 100, 1.0, steady=True, drafted=False)  # ran beside `late`: not counted
+    assert guard.epoch == 1
+    for ticket in after:
+        guard.observe(ticket, 1, 50.0, steady=True, drafted=False)
+    assert guard.epoch == 2 and guard.rates[TARGET_ONLY] == pytest.approx(0.02) and guard.speculation_wins
+    assert guard._outstanding == {}
+
+
+def test_a_probe_in_which_the_policies_hardly_drafted_cannot_restart_speculation() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=4, off_rounds=4, margin=0.0))
+    play(guard, 200, spec_round=(3, 200.0), off_round=(1, 50.0))
+    assert not guard.speculation_wins and guard.flips == 1
+    # The policies now run k = 0 themselves in the probes, 10 % faster there by noise: no flip back.
+    epoch = guard.epoch
+    play(guard, 1000, spec_round=(3, 200.0), off_round=(1, 50.0), proposed_k=0, zero_in_spec_epoch=(1, 45.0))
+    assert guard.epoch >= epoch + 4 and guard.rates[SPECULATE] == pytest.approx(1 / 45)
+    assert not guard.speculation_wins and guard.flips == 1
+    # A probe that drafts and wins does.
+    play(guard, 3000, spec_round=(3, 60.0), off_round=(1, 50.0))
+    assert guard.speculation_wins and guard.flips == 2
+
+
+def test_sessions_of_a_pair_share_one_guard() -> None:
+    guard = PairGuard()
+    assert copy.deepcopy(guard) is guard
+
+
+def test_the_guard_applies_to_policies_that_choose_k_zero_themselves() -> None:
+    config = SpeculationConfig()
+    assert config.guard and config.guarded  # on by default: the cost policy, min_k = 0
+    assert not config.with_override(SpeculationOverride(fixed_k=3)).guarded
+    assert not config.with_override(SpeculationOverride(min_k=1)).guarded
+    assert not config.with_override(SpeculationOverride(policy="heuristic")).guarded
+    assert config.with_override(SpeculationOverride(policy="bandit")).guarded
+    assert not config.with_values({"guard": False}, "test").guarded
+    settings = config.with_values({"guard_spec_rounds": 5, "guard_off_rounds": 2, "guard_margin": 0.1},
+                                  "test").guard_settings()
+    assert (settings.spec_rounds, settings.off_rounds, settings.margin) == (5, 2, 0.1)
+    for bad in ({"guard_spec_rounds": 0}, {"guard_off_rounds": 0}, {"guard_margin": 1.0},
+                {"guard_margin": float("nan")}, {"guard": 1}):
+        with pytest.raises(SpeculationConfigError):
+            config.with_values(bad, "test")
+    with pytest.raises(ValueError):
+        GuardSettings(margin=-0.1).validate()
+
+
+# ----------------------------------------------------------------------------- on a real pair over gRPC
+
+@contextlib.contextmanager
+def shared_cores(stack: Stack, target_ms: float, contention_ms: float, window_ms: float = 300.0):
+    """Co-located workers, emulated: each target forward takes `target_ms` (a target much larger than
+    the draft), plus `contention_ms` when the draft ran a forward in the last `window_ms` (the draft
+    has the cores). The extra slows every session's verify, at k = 0 too, while any session of the
+    pair drafts. So each session's own cost model finds k = 0 no cheaper than speculating (a k = 0
+    round of its own is slowed by the others' drafts) and keeps speculating; only all sessions
+    stopping at once shows the pair is faster target-only."""
+    draft, target = stack.draft.scheduler, stack.target.scheduler
+    draft_forward, target_forward = draft._forward, target._forward
+    last_draft = [-1e9]
+
+    def on_draft(steps):
+        try:
+            return draft_forward(steps)
+        finally:
+            last_draft[0] = time.monotonic()
+
+    def on_target(steps):
+        contended = (time.monotonic() - last_draft[0]) * 1000.0 < window_ms
+        time.sleep((target_ms + (contention_ms if contended else 0.0)) / 1000.0)
+        return target_forward(steps)
+    draft._forward, target._forward = on_draft, on_target
+    try:
+        yield
+    finally:
+        draft._forward, target._forward = draft_forward, target_forward
+
+
+@pytest.mark.parametrize("contention_ms, guard", [(0.0, True), (300.0, True), (300.0, False)],
+                         ids=["separate-devices", "shared-cores", "shared-cores-unguarded"])
+async def test_the_pair_guard_stops_speculation_that_slows_the_pair_as_a_whole(contention_ms: float,
+                                                                               guard: bool) -> None:
+    speculation = SpeculationConfig(max_k=4, guard=guard, guard_spec_rounds=8, guard_off_rounds=4)
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02", speculation=speculation)
+    try:
+        # The pair's prior, as sessions that ran before on this pair learned it: every k, k = 0 too,
+        # costs the verify it measured (with shared cores: the contention included, because those
+        # sessions' k = 0 rounds ran beside other sessions' drafts). So the policy speculates from
+        # round one, and only the guard's pair-wide measurement can show that k = 0 for all is faster.
+        engine = stack.orch.engine
+        engine.prior_for("any").timing.seed(2.0, {k: 42.0 + contention_ms + k for k in range(5)})
+        prompts = [[5 + i, 6, 7, 8 + i] for i in range(3)]
+        with shared_cores(stack, target_ms=40.0, contention_ms=contention_ms):
+            replies = await asyncio.gather(*(stack.generate(prompt_ids=p, max_new_tokens=48) for p in prompts))
+        assert [list(r.token_ids) for r in replies] == [reference_greedy(p, 48) for p in prompts]
+        ks = [list(r.stats.k_per_round) for r in replies]
+        off_rounds = sum(r.stats.guard_off_rounds for r in replies)
+        if not guard:  # the policy alone keeps drafting: its prior says k = 0 costs as much
+            assert engine.guards == {} and off_rounds == 0
+            assert all(sum(1 for k in session if k > 0) > len(session) // 2 for session in ks), ks
+            return
+        pair_guard = engine.guards[engine.pair_key("any")]
+        assert engine.guard_for("another session") is pair_guard  # one guard per worker pair
+        # Rounds the guard forced to k = 0 are not the policies' choice: the pair's prior (which every
+        # session's every round teaches) has not learned from them.
+        assert engine.prior_for("any").rounds == sum(r.stats.rounds for r in replies) - off_rounds
+        assert pair_guard.decisions >= 1, (pair_guard.rates, pair_guard.epoch)
+        if contention_ms:
+            # Speculating, at most 5 tokens per 340+ ms; target-only, 1 per 40-50 ms: the first
+            # measurement stops drafting for the whole pair, and the hold (4x the time of the
+            # speculating epoch) outlasts the run.
+            assert not pair_guard.speculation_wins and pair_guard.flips == 1, (pair_guard.rates, ks)
+            assert off_rounds > 12 and all(session[-3:] == [0, 0, 0] for session in ks), ks
+        else:  # up to 5 tokens per ~60 ms against 1 per 40-90 ms: it keeps speculating, measuring k = 0 briefly
+            spec, off = pair_guard.rates[SPECULATE], pair_guard.rates[TARGET_ONLY]
+            assert pair_guard.speculation_wins and spec > off and pair_guard.flips == 0, (spec, off, ks)
+            assert 0 < off_rounds < sum(r.stats.rounds for r in replies) // 2
+    finally:
+        await stack.close()
