@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orchestrator.config import SpeculationOverride
+from orchestrator.guard import TARGET_ONLY
 from orchestrator.record import RoundRecord
 
 
@@ -73,7 +74,7 @@ class GenerationStats:
         self.verify_ms += record.verify_ms
         self.reprefills += record.reprefills
         self.fallback_rounds += int(record.fallback)
-        self.guard_off_rounds += int(record.guard == "off")
+        self.guard_off_rounds += int(record.guard == TARGET_ONLY)
         self.bytes_to_draft += record.bytes_to_draft
         self.bytes_from_draft += record.bytes_from_draft
         self.bytes_to_target += record.bytes_to_target

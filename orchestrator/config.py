@@ -105,11 +105,10 @@ class SpeculationConfig:
         for name in ("pipeline", "overlap_prefill", "guard"):
             if not isinstance(getattr(self, name), bool):
                 raise SpeculationConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1
-               for n in (self.guard_spec_rounds, self.guard_off_rounds)):
-            raise SpeculationConfigError("guard_spec_rounds and guard_off_rounds must be >= 1")
-        if not 0.0 <= self.guard_margin < 1.0:  # also rejects NaN
-            raise SpeculationConfigError(f"guard_margin must be in [0, 1), got {self.guard_margin}")
+        try:
+            self.guard_settings().validate()  # the guard's own rules, in one place
+        except ValueError as exc:
+            raise SpeculationConfigError(f"guard_spec_rounds, guard_off_rounds, guard_margin: {exc}") from exc
         if self.probe_every < 0:
             raise SpeculationConfigError(f"probe_every must be >= 0, got {self.probe_every}")
         if not self.bandit_exploration >= 0.0 or not self.bandit_prior_weight > 0.0:
@@ -117,16 +116,20 @@ class SpeculationConfig:
         return self
 
     @property
+    def picks_target_only(self) -> bool:
+        """Whether the policy itself chooses between k = 0 and drafting, so that the service may run a
+        round target-only in its place; a `fixed` or `heuristic` k is what the caller asked for."""
+        return self.policy in ("cost", "bandit") and self.min_k == 0
+
+    @property
     def overlaps_prefill(self) -> bool:
-        """Whether turns overlap their first round's prefills (see overlap_prefill): only for policies
-        that pick k = 0 themselves; a `fixed` or `heuristic` k is that of every round."""
-        return self.overlap_prefill and self.policy in ("cost", "bandit") and self.min_k == 0
+        """Whether turns overlap their first round's prefills (see overlap_prefill)."""
+        return self.overlap_prefill and self.picks_target_only
 
     @property
     def guarded(self) -> bool:
-        """Whether the pair guard may run this request's rounds target-only (see guard): only for
-        policies that pick k = 0 themselves; a `fixed` or `heuristic` k is what the caller asked for."""
-        return self.guard and self.policy in ("cost", "bandit") and self.min_k == 0 < self.max_k
+        """Whether the pair guard may run this request's rounds target-only (see guard)."""
+        return self.guard and self.picks_target_only and self.max_k > 0
 
     def guard_settings(self) -> GuardSettings:
         return GuardSettings(spec_rounds=self.guard_spec_rounds, off_rounds=self.guard_off_rounds,

@@ -41,9 +41,10 @@ class GuardSettings:
     max_stretch: int = 16   # the winner's epochs last 4x the other mode's last epoch, x2 per confirmation, up to 4x this
 
     def validate(self) -> "GuardSettings":
-        if self.spec_rounds < 1 or self.off_rounds < 1 or self.max_stretch < 1:
-            raise ValueError("guard epochs need at least one round and max_stretch >= 1")
-        if not 0.0 <= self.margin < 1.0:
+        counts = (self.spec_rounds, self.off_rounds, self.max_stretch)
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+            raise ValueError(f"guard epochs need at least one round and max_stretch >= 1 (integers), got {counts}")
+        if not 0.0 <= self.margin < 1.0:  # also rejects NaN
             raise ValueError(f"guard margin must be in [0, 1), got {self.margin}")
         return self
 

@@ -23,10 +23,10 @@ Over 300 lines: the serial calls, their recovery paths and the pre-draft share o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
