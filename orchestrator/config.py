@@ -81,6 +81,9 @@ class SpeculationConfig:
         "Pair guard: fewest counted rounds of a target-only epoch."))
     guard_margin: float = field(default=0.03, metadata=_doc(
         "Pair guard: the losing mode must beat the winner by this fraction to take over."))
+    guard_rounds_per_session: int = field(default=4, metadata=_doc(
+        "Pair guard: every epoch also counts at least this many rounds per round in flight at once on "
+        "the pair (32 at 8 streams), so that a short epoch is more than one batched step (0 = off)."))
     heuristic_initial_k: int = field(default=4, metadata=_doc("First k of the `heuristic` policy."))
     probe_every: int = field(default=16, metadata=_doc(
         "`cost` policy: after this many target-only rounds, draft one token to re-measure acceptance "
@@ -108,7 +111,7 @@ class SpeculationConfig:
         try:
             self.guard_settings().validate()  # the guard's own rules, in one place
         except ValueError as exc:
-            raise SpeculationConfigError(f"guard_spec_rounds, guard_off_rounds, guard_margin: {exc}") from exc
+            raise SpeculationConfigError(f"guard settings: {exc}") from exc
         if self.probe_every < 0:
             raise SpeculationConfigError(f"probe_every must be >= 0, got {self.probe_every}")
         if not self.bandit_exploration >= 0.0 or not self.bandit_prior_weight > 0.0:
@@ -133,7 +136,7 @@ class SpeculationConfig:
 
     def guard_settings(self) -> GuardSettings:
         return GuardSettings(spec_rounds=self.guard_spec_rounds, off_rounds=self.guard_off_rounds,
-                             margin=self.guard_margin)
+                             margin=self.guard_margin, rounds_per_session=self.guard_rounds_per_session)
 
     def with_override(self, override: SpeculationOverride) -> "SpeculationConfig":
         """A request's view of the config. Precedence: request fixed_k > request fields > server."""

@@ -14,6 +14,17 @@ mode re-measure it. The winner's epochs last 4x the time of the other's, doubled
 confirms it (up to 4 x `max_stretch`), and long enough that the loser's epochs cost about
 MEASUREMENT_COST of the throughput: a clear winner is re-checked ever more rarely.
 
+How many rounds an epoch needs grows with the pair's concurrency: at least rounds_per_session (4)
+per round in flight at once, so that at 8 streams a target-only probe is not one batched step, whose
+rate a single neighbour's prompt chunk in the batch decides (seen on a 2-core CPU: one such probe measured
+target-only 20 % low and kept a losing speculation on for another 40 s).
+
+A decision holds for the load it was measured at. When the pair's concurrency (the most rounds in
+flight over the last LOAD_WINDOW decisions) moves LOAD_SHIFT times above or below what it was when
+the epoch began, the rates compared so far are of another load: the guard drops them and measures
+both modes again, the current winner first, in short epochs, instead of holding the old decision
+through a winner's epoch that may be 64x a probe long.
+
 What a round counts for: only steady rounds (a prompt's prefill would swamp the per-token rates),
 decided in the current epoch after every round of earlier epochs had ended. Not counted in either
 mode: prompts, and the draft's catch-up on the tokens of a target-only epoch (the first speculating
@@ -25,12 +36,15 @@ Lossless by construction: the guard only chooses k, before a round runs, from ea
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
 SPECULATE, TARGET_ONLY = "spec", "off"
 MEASUREMENT_COST = 0.03  # what the losing mode's re-measurements may cost, as a fraction of throughput
+LOAD_SHIFT = 2.0         # concurrency this many times higher or lower than when the epoch began: measure anew
+LOAD_WINDOW = 32         # decisions over which the pair's concurrency is taken (their most rounds in flight)
 
 
 @dataclass(frozen=True)
@@ -39,11 +53,15 @@ class GuardSettings:
     off_rounds: int = 8     # fewest counted rounds of a target-only epoch (they vary little: one token each)
     margin: float = 0.03    # the other mode must win by this fraction to flip the decision
     max_stretch: int = 16   # the winner's epochs last 4x the other mode's last epoch, x2 per confirmation, up to 4x this
+    rounds_per_session: int = 4  # an epoch counts at least this many rounds per round in flight at once (0: off)
 
     def validate(self) -> "GuardSettings":
         counts = (self.spec_rounds, self.off_rounds, self.max_stretch)
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
             raise ValueError(f"guard epochs need at least one round and max_stretch >= 1 (integers), got {counts}")
+        per_session = self.rounds_per_session
+        if isinstance(per_session, bool) or not isinstance(per_session, int) or per_session < 0:
+            raise ValueError(f"guard rounds_per_session must be an integer >= 0, got {per_session!r}")
         if not 0.0 <= self.margin < 1.0:  # also rejects NaN
             raise ValueError(f"guard margin must be in [0, 1), got {self.margin}")
         return self
@@ -75,6 +93,10 @@ class PairGuard:
         self._outstanding: dict[int, int] = {}  # epoch -> rounds decided in it and still running
         self._last_ms = {SPECULATE: 0.0, TARGET_ONLY: 0.0}  # counted round time of each mode's last epoch
         self._needed_rounds, self._needed_ms = self._length(SPECULATE)
+        self._in_flight_peak = 0  # most rounds of this pair running at once during this epoch
+        self._recent_in_flight: deque[int] = deque(maxlen=LOAD_WINDOW)  # rounds in flight at each decision
+        self._epoch_load = 0      # the pair's concurrency when the current epoch began (0: not yet known)
+        self.load_restarts = 0
         self._counted = 0
         self._drafting = 0    # counted rounds that drafted
         self._tokens = 0.0
@@ -87,9 +109,33 @@ class PairGuard:
     def decide(self) -> GuardTicket:
         """Before a round: TARGET_ONLY means it runs k = 0 (the policy is not asked), SPECULATE that
         the session's policy picks k. Hand the ticket back to observe() or abandon()."""
+        self._recent_in_flight.append(self.in_flight + 1)
+        if self._epoch_load and not 1.0 / LOAD_SHIFT < self.load / self._epoch_load < LOAD_SHIFT:
+            if self._counted == 0 and all(rate is None for rate in self.rates.values()):
+                self._epoch_load = self.load  # already measuring afresh, nothing counted yet: a ramp
+            else:
+                self._restart_for_load()
         clean = all(epoch == self.epoch for epoch in self._outstanding)
         self._outstanding[self.epoch] = self._outstanding.get(self.epoch, 0) + 1
+        self._in_flight_peak = max(self._in_flight_peak, self.in_flight)
         return GuardTicket(self.epoch, self.mode, clean)
+
+    @property
+    def load(self) -> int:
+        """The pair's concurrency: the most rounds in flight at any of the last LOAD_WINDOW decisions
+        (a peak, since sessions of one batched step decide their next rounds one after another)."""
+        return max(self._recent_in_flight, default=0)
+
+    def _restart_for_load(self) -> None:
+        """The load moved by LOAD_SHIFT or more since the epoch began: the rates compared so far
+        were measured at another load. Measure both modes anew, the current winner first, in
+        short epochs, rather than hold the old decision for the rest of a long epoch."""
+        log.info("pair %s: %d rounds in flight, against %d when the epoch began: measuring both modes again",
+                 self.name, self.load, self._epoch_load)
+        self.load_restarts += 1
+        self.streak = 0
+        self.rates = {SPECULATE: None, TARGET_ONLY: None}
+        self._begin_epoch(self.winner)
 
     def abandon(self, ticket: GuardTicket) -> None:
         """The round failed or was cancelled: it measured nothing."""
@@ -112,8 +158,19 @@ class PairGuard:
         self._drafting += int(drafted)
         self._tokens += tokens
         self._ms += round_ms
-        if self._counted >= self._needed_rounds and self._ms >= self._needed_ms:
+        if self._counted >= self.needed_rounds and self._ms >= self._needed_ms:
             self._end_epoch()
+
+    @property
+    def in_flight(self) -> int:
+        """Rounds decided and not yet observed or abandoned: the pair's current concurrency."""
+        return sum(self._outstanding.values())
+
+    @property
+    def needed_rounds(self) -> int:
+        """Counted rounds the current epoch needs: its mode's base count, and rounds_per_session per
+        round in flight at once during the epoch."""
+        return max(self._needed_rounds, self.settings.rounds_per_session * self._in_flight_peak)
 
     # ------------------------------------------------------------------ epochs
     @property
@@ -127,12 +184,12 @@ class PairGuard:
         losing mode never takes more than a fifth of the pair's time, less the further it is behind,
         and ever less while the decision holds."""
         rounds = self.settings.spec_rounds if mode == SPECULATE else self.settings.off_rounds
-        if mode != self.winner:
-            return rounds, 0.0
         loser = TARGET_ONLY if mode == SPECULATE else SPECULATE
+        if mode != self.winner or self.rates[loser] is None:  # measuring, or nothing yet to compare with
+            return rounds, 0.0
         factor = 4.0 * min(2 ** self.streak, self.settings.max_stretch)
         won, lost = self.rates[mode], self.rates[loser]
-        if won and lost is not None:
+        if won:
             # The further behind the loser, the more its epochs cost: long enough that they cost
             # about MEASUREMENT_COST of the pair's throughput (a loser at 0.6x: 13x its time).
             factor = max(factor, max(0.0, 1.0 - lost / won) / MEASUREMENT_COST)
@@ -145,9 +202,14 @@ class PairGuard:
         if measured:
             self._decide()
         # After a measurement the winner runs; after the winner's epoch, the other mode measures.
-        self.mode = self.winner if measured else (TARGET_ONLY if self.mode == SPECULATE else SPECULATE)
+        self._begin_epoch(self.winner if measured else (TARGET_ONLY if self.mode == SPECULATE else SPECULATE))
+
+    def _begin_epoch(self, mode: str) -> None:
+        self.mode = mode
         self.epoch += 1
-        self._needed_rounds, self._needed_ms = self._length(self.mode)
+        self._needed_rounds, self._needed_ms = self._length(mode)
+        self._in_flight_peak = self.in_flight
+        self._epoch_load = self.load
         self._counted, self._drafting, self._tokens, self._ms = 0, 0, 0.0, 0.0
 
     def _decide(self) -> None:
@@ -162,6 +224,8 @@ class PairGuard:
             # k = 0 again, and says nothing for drafting.
             wins = False
         self.decisions += 1
+        log.debug("pair %s: decision %d, speculating %.3f tok/s per session, target-only %.3f: %s", self.name,
+                  self.decisions, spec * 1000.0, off * 1000.0, "speculate" if wins else "target-only")
         if wins == self.speculation_wins:
             self.streak += 1
         else:

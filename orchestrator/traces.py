@@ -1,6 +1,7 @@
 """Per-round traces (opt-in JSONL) for offline policy tuning: one JSON object per round."""
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import threading
@@ -41,6 +42,12 @@ class RoundTrace:
     target_rows: float = 0.0
     target_waiting: int = 0
     guard: str = ""  # the pair guard's epoch: "spec", "off" (k forced to 0), "" (not guarded)
+    emitted: int = -1  # tokens the round added to the output (-1 in older traces: accepted + 1 stands in)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the round produced (a stop or the token budget can cut a round's accepted + 1)."""
+        return self.emitted if self.emitted >= 0 else self.accepted + 1
 
     @property
     def pattern(self) -> list[int]:
@@ -67,7 +74,7 @@ class TraceWriter:
             greedy=record.greedy, fallback=record.fallback, draft_token_ms=round(record.draft_token_ms, 3),
             draft_confidences=[round(p, 5) for p in record.draft_confidences],
             target_batch=round(record.target_batch, 2), target_rows=round(record.target_rows, 1),
-            target_waiting=record.target_waiting, guard=record.guard))
+            target_waiting=record.target_waiting, guard=record.guard, emitted=len(record.emitted)))
 
     def write(self, trace: RoundTrace) -> None:
         line = json.dumps(asdict(trace), separators=(",", ":"))
@@ -79,8 +86,9 @@ class TraceWriter:
 
 
 def load_traces(path: str | Path) -> list[RoundTrace]:
+    """The rounds of a trace file (JSONL, or JSONL.gz as kept in docs/bench)."""
     traces = []
-    with open(path) as f:
+    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -330,15 +330,36 @@ async def test_the_retry_hint_reaches_the_orchestrators_caller() -> None:
         await stack.close()
 
 
+def test_guard_epochs_split_a_trace_into_runs_of_one_policy_and_mode() -> None:
+    from orchestrator.traces import RoundTrace
+    from specdec.tools.loadreport import epochs_markdown, guard_epochs
+
+    def trace(ts: float, guard: str, policy: str = "cost", accepted: int = 0, emitted: int = -1,
+              target_prefilled: int = 1, draft_prefilled: int = 0) -> RoundTrace:
+        return RoundTrace("s", 1, 0, policy, 0, 0, accepted, [], 0.0, 0.0, 1000.0, draft_prefilled, target_prefilled,
+                          True, False, ts=ts, guard=guard, emitted=emitted)
+    traces = [trace(101.0, "spec", accepted=3, target_prefilled=40, draft_prefilled=40),
+              trace(102.0, "spec", accepted=2, emitted=1),  # a stop cut the round: 1 token, not 3
+              trace(103.0, "off"), trace(104.0, "off"), trace(105.0, "", policy="fixed")]
+    epochs = guard_epochs(traces)
+    assert [(e["policy"], e["guard"], e["from_s"], e["to_s"], e["rounds"], e["tokens"]) for e in epochs] == [
+        ("cost", "spec", 0.0, 2.0, 2, 5), ("cost", "off", 2.0, 4.0, 2, 2), ("fixed", "-", 4.0, 5.0, 1, 1)]
+    assert epochs[0]["prompts"] == 1 and epochs[0]["draft_prefilled"] == 40
+    assert epochs[0]["tokens_per_s"] == 2.5 and epochs[0]["session_tokens_per_s"] == 2.5
+    assert epochs_markdown(traces).count("\n| cost |") == 2
+
+
 async def test_load_sweep_reports_both_modes_per_level(tmp_path) -> None:
-    from specdec.tools.loadsweep import markdown, plot, sweep
+    from specdec.tools.loadreport import markdown, plot, ratios
+    from specdec.tools.loadsweep import sweep
     stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02")
     try:
-        levels, references = await sweep(stack.address, PROMPTS[:3], [1, 2], 1, 6, 60.0)
+        levels, references = await sweep(stack.address, PROMPTS[:3], [1, 2], 1, 6, 60.0, repeats=2)
     finally:
         await stack.close()
-    assert [(lv.mode, lv.streams) for lv in levels] == [("speculative", 1), ("speculative", 2),
-                                                        ("target-only", 1), ("target-only", 2)]
+    # Per level, the modes alternate ABBA over the repeats, so a drift in speed falls on both alike.
+    assert [(lv.mode[0], lv.streams, lv.repeat) for lv in levels] == [
+        ("s", 1, 0), ("t", 1, 0), ("t", 1, 1), ("s", 1, 1), ("s", 2, 0), ("t", 2, 0), ("t", 2, 1), ("s", 2, 1)]
     assert all(lv.errors == {} and lv.mismatches == 0 and lv.tokens == 6 * lv.streams for lv in levels)
     assert all(len(lv.ttft_ms) == lv.streams for lv in levels)
     # One gap per token after the first; target-only streams one token per chunk, a speculative round
@@ -346,7 +367,17 @@ async def test_load_sweep_reports_both_modes_per_level(tmp_path) -> None:
     assert all(len(lv.itl_ms) == 5 * lv.streams for lv in levels if lv.mode == "target-only")
     assert all(0 < len(lv.itl_ms) <= 5 * lv.streams for lv in levels if lv.mode == "speculative")
     assert references == {i: reference_greedy(p, 6) for i, p in enumerate(PROMPTS[:3])}
+    per_repeat, busy = ratios(levels), ratios(levels, busy=True)
+    assert sorted(per_repeat) == [1, 2] and all(len(v) == 2 and min(v) > 0 for v in per_repeat.values())
+    assert sorted(busy) == [1, 2] and all(len(v) == 2 and min(v) > 0 for v in busy.values())
+    # The busy window ends when the first stream ran out of requests; its tokens are those that came by then.
+    for lv in levels:
+        assert len(lv.stream_ends) == lv.streams and max(lv.stream_ends) <= lv.wall_s
+        until = min(lv.stream_ends)
+        assert lv.busy_tokens_per_s() == pytest.approx(sum(n for at, n in lv.arrivals if at <= until) / until)
+        assert sum(n for _, n in lv.arrivals) == lv.tokens
     table = markdown(levels)
-    assert table.count("| speculative |") == 2 and "speculative / target-only at the same load" in table
+    assert table.count("| speculative |") == 4 and "speculative / target-only at the same load" in table
+    assert table.count("(repeats ") == 4
     plot(levels, tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 0

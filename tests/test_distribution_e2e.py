@@ -95,7 +95,8 @@ POLICIES: dict[str, dict[str, int]] = {"fixed3": {"fixed_k": 3}, "default": {},
 # variants that test speculative paths keep it off, and "guard-flips" tests it.
 SERVER_SPECULATION = {"default": SpeculationConfig(guard=False),
                       "overlap": SpeculationConfig(overlap_prefill=True, guard=False),
-                      "guard-flips": SpeculationConfig(guard_spec_rounds=1, guard_off_rounds=1, guard_margin=0.0)}
+                      "guard-flips": SpeculationConfig(guard_spec_rounds=1, guard_off_rounds=1, guard_margin=0.0,
+                                                     guard_rounds_per_session=0)}
 EXTRA_TOKENS = {"pipelined-k1": 2}   # generated past NEW_TOKENS; the first NEW_TOKENS are tested
 WARPINGS: dict[str, SamplingConfig] = {
     "nowarp": SamplingConfig(TEMPERATURE),

@@ -74,6 +74,55 @@ def test_the_guard_follows_a_change_of_winner_both_ways(caplog: pytest.LogCaptur
     assert "target-only now" in caplog.text and "speculating now" in caplog.text
 
 
+def test_epochs_count_rounds_per_session_in_flight_so_a_probe_is_not_one_batched_step() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    modes = []
+    for _ in range(12):  # 8 sessions, their rounds decided together and ending together (one batch)
+        tickets = [guard.decide() for _ in range(8)]
+        assert guard.in_flight == 8
+        for ticket in tickets:
+            spec = ticket.mode == SPECULATE
+            guard.observe(ticket, 3 if spec else 1, 100.0 if spec else 50.0, steady=True, drafted=spec)
+        modes.append({t.mode for t in tickets})
+    # 32 speculating rounds (4 batches), then a target-only probe of 4 rounds per session in flight
+    # (32, not the base 8: one batch would be a single sample), then speculation again (30 against 20 tok/s).
+    assert modes[:8] == [{SPECULATE}] * 4 + [{TARGET_ONLY}] * 4
+    assert guard.speculation_wins and guard.decisions == 1 and guard.in_flight == 0
+
+
+def play_batched(guard: PairGuard, batches: int, width: int, spec_round: tuple[int, float],
+                 off_round: tuple[int, float]) -> list[str]:
+    """`width` sessions whose rounds are decided together and end together; the mode of each batch."""
+    modes = []
+    for _ in range(batches):
+        tickets = [guard.decide() for _ in range(width)]
+        for ticket in tickets:
+            spec = ticket.mode == SPECULATE
+            tokens, ms = spec_round if spec else off_round
+            guard.observe(ticket, tokens, ms, steady=True, drafted=spec)
+        modes.append(tickets[-1].mode)
+    return modes
+
+
+def test_a_shift_in_load_starts_a_new_comparison_instead_of_holding_the_old_decision() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    # One session: speculating wins (30 against 20 tok/s) and the winner's epochs grow long.
+    play_batched(guard, 2000, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    assert guard.speculation_wins and guard.streak >= 3 and guard.load_restarts == 0
+    # Eight sessions at once: drafting now costs everyone (7.5 against 16.7 tok/s). The long epoch
+    # is cut short: both modes are measured again at this load, and the pair goes target-only after
+    # 4 + 4 batches (32 rounds each: 4 per session in flight), not after the old decision's epoch.
+    modes = play_batched(guard, 12, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
+    assert guard.load_restarts == 1 and not guard.speculation_wins and guard.flips == 1
+    assert modes[:9] == [SPECULATE] * 5 + [TARGET_ONLY] * 4  # the restart's first batch is not clean
+    # Back to one session: after LOAD_WINDOW decisions at the lower load, measured again; speculation returns.
+    play_batched(guard, 200, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    assert guard.load_restarts == 2 and guard.speculation_wins and guard.flips == 2
+    # A steady load never restarts.
+    play_batched(guard, 3000, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    assert guard.load_restarts == 2
+
+
 def test_hysteresis_keeps_the_winner_within_the_margin() -> None:
     guard = PairGuard(GuardSettings(spec_rounds=16, off_rounds=4, margin=0.05))
     play(guard, 2000, spec_round=(98, 100.0 * 50), off_round=(1, 50.0))  # 2 % slower speculating
@@ -84,7 +133,7 @@ def test_hysteresis_keeps_the_winner_within_the_margin() -> None:
 
 
 def test_only_steady_rounds_decided_after_the_last_epochs_rounds_ended_count() -> None:
-    guard = PairGuard(GuardSettings(spec_rounds=2, off_rounds=2))
+    guard = PairGuard(GuardSettings(spec_rounds=2, off_rounds=2, rounds_per_session=0))
     prompt, first, second, late = guard.decide(), guard.decide(), guard.decide(), guard.decide()
     assert all(t.mode == SPECULATE and t.clean for t in (prompt, first, second, late))
     guard.observe(prompt, 50, 10.0, steady=False, drafted=True)  # a prompt round: not counted
@@ -135,10 +184,11 @@ def test_the_guard_applies_to_policies_that_choose_k_zero_themselves() -> None:
     assert not config.with_override(SpeculationOverride(policy="heuristic")).guarded
     assert config.with_override(SpeculationOverride(policy="bandit")).guarded
     assert not config.with_values({"guard": False}, "test").guarded
-    settings = config.with_values({"guard_spec_rounds": 5, "guard_off_rounds": 2, "guard_margin": 0.1},
-                                  "test").guard_settings()
-    assert (settings.spec_rounds, settings.off_rounds, settings.margin) == (5, 2, 0.1)
+    settings = config.with_values({"guard_spec_rounds": 5, "guard_off_rounds": 2, "guard_margin": 0.1,
+                                   "guard_rounds_per_session": 0}, "test").guard_settings()
+    assert (settings.spec_rounds, settings.off_rounds, settings.margin, settings.rounds_per_session) == (5, 2, 0.1, 0)
     for bad in ({"guard_spec_rounds": 0}, {"guard_off_rounds": 0}, {"guard_margin": 1.0},
+                {"guard_rounds_per_session": -1}, {"guard_rounds_per_session": 2.5},
                 {"guard_margin": float("nan")}, {"guard": 1}):
         with pytest.raises(SpeculationConfigError):
             config.with_values(bad, "test")

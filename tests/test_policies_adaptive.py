@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import io
 import contextlib
+import gzip
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,10 @@ async def test_tune_on_recorded_traces_writes_a_config_the_orchestrator_accepts(
         await stack.close()
     traces = load_traces(trace_file)
     assert len(traces) >= 10 and all(t.k <= 6 for t in traces)
+    assert sum(t.tokens for t in traces) == 3 * 40  # what each round emitted, the budget's last cut included
+    packed = tmp_path / "traces.jsonl.gz"
+    packed.write_bytes(gzip.compress(trace_file.read_bytes()))
+    assert load_traces(packed) == traces
     assert any(t.accepted < t.drafted for t in traces) and any(t.accepted == t.drafted for t in traces)
     from specdec.tools import tune
     out_cfg = tmp_path / "best.toml"

@@ -1,11 +1,18 @@
 """`specdec loadtest --sweep 1,2,4,8`: concurrent streams against the pair, speculation vs target-only.
 
 For each concurrency level N, N closed-loop streams each run `--requests-per-stream` greedy requests
-one after another (the bench's prompts, chat-templated), first with the server's default k policy,
-then with k = 0 (target-only) through the same services. Reports per level: aggregate tok/s, p50 and
+one after another (the bench's prompts, chat-templated), with the server's default k policy and with
+k = 0 (target-only) through the same services. With `--repeats R` the two modes alternate R times per
+level in ABBA order (spec, target-only, target-only, spec, ...), so a drift of the machine's speed over
+the run falls on both modes alike; the report gives each repeat's ratio and their spread. Reports per level: aggregate tok/s, p50 and
 p99 inter-token latency (each chunk's gap spread over the tokens it carried, so a speculative round's
 burst counts as that many tokens), p50 and p99 time to first token, and how many outputs differ from
-the same prompt run alone (identity under batching). Bounded: a fixed number of requests, each with
+the same prompt run alone (identity under batching). Throughput is given twice: over the whole block
+(until the last stream's last request ends) and while all N streams were busy (until the first stream
+ran out of requests). A closed loop with a fixed request count ends in a drain, in which fewer than N
+streams run; speculation, whose requests vary in duration, drains longer than target-only, whose
+requests under one batch all take the same steps. The busy figure compares the two at the same load.
+Bounded: a fixed number of requests, each with
 a deadline; it stops by itself.
 """
 from __future__ import annotations
@@ -14,45 +21,15 @@ import argparse
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from specdec.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdec.tools.loadtest import make_request, percentile
+from specdec.tools.loadreport import Level, epochs_markdown, markdown, plot
+from specdec.tools.loadtest import make_request
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class Level:
-    mode: str                  # "speculative" | "target-only"
-    streams: int
-    requests: int = 0
-    tokens: int = 0
-    wall_s: float = 0.0
-    itl_ms: list[float] = field(default_factory=list)
-    ttft_ms: list[float] = field(default_factory=list)
-    mismatches: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    rounds: int = 0
-    k_sum: int = 0
-    guard_off_rounds: int = 0  # rounds the pair guard ran target-only
-
-    def summary(self) -> dict[str, Any]:
-        return {"mode": self.mode, "streams": self.streams, "requests": self.requests, "tokens": self.tokens,
-                "tokens_per_s": round(self.tokens / self.wall_s, 2) if self.wall_s else 0.0,
-                "itl_p50_ms": round(percentile(self.itl_ms, 0.5), 1),
-                "itl_p99_ms": round(percentile(self.itl_ms, 0.99), 1),
-                "ttft_p50_ms": round(percentile(self.ttft_ms, 0.5), 1),
-                "ttft_p99_ms": round(percentile(self.ttft_ms, 0.99), 1),
-                "mismatches": self.mismatches, "errors": self.errors,
-                "acceptance": round(self.accepted_tokens / self.draft_tokens, 3) if self.draft_tokens else None,
-                "mean_k": round(self.k_sum / self.rounds, 2) if self.rounds else 0.0,
-                "guard_off_share": round(self.guard_off_rounds / self.rounds, 3) if self.rounds else 0.0,
-                "wall_s": round(self.wall_s, 1)}
 
 
 async def _one(stub: Any, prompt_ids: list[int], max_new: int, fixed_k: int | None, timeout_s: float,
@@ -65,6 +42,7 @@ async def _one(stub: Any, prompt_ids: list[int], max_new: int, fixed_k: int | No
         async for chunk in stub.GenerateStream(req, timeout=timeout_s):
             now = time.perf_counter()
             if chunk.token_ids:
+                level.arrivals.append((now - level.started, len(chunk.token_ids)))
                 if not ids:
                     level.ttft_ms.append((now - start) * 1000.0)
                 else:
@@ -85,7 +63,7 @@ async def _one(stub: Any, prompt_ids: list[int], max_new: int, fixed_k: int | No
 
 
 async def sweep(address: str, prompts: list[list[int]], levels: list[int], requests_per_stream: int,
-                max_new: int, timeout_s: float) -> tuple[list[Level], dict[int, list[int]]]:
+                max_new: int, timeout_s: float, repeats: int = 1) -> tuple[list[Level], dict[int, list[int]]]:
     import grpc
 
     from specdec.v1 import orchestrator_pb2_grpc
@@ -96,64 +74,29 @@ async def sweep(address: str, prompts: list[list[int]], levels: list[int], reque
         for i, prompt in enumerate(prompts):  # each prompt alone, target-only: what identity means
             references[i] = await _one(stub, prompt, max_new, 0, timeout_s, alone)
         results = []
-        for mode, fixed_k in (("speculative", None), ("target-only", 0)):
-            for streams in levels:
-                level = Level(mode, streams)
+        for streams in levels:
+            for repeat in range(repeats):
+                modes = (("speculative", None), ("target-only", 0))
+                for mode, fixed_k in (modes if repeat % 2 == 0 else modes[::-1]):  # ABBA
+                    level = Level(mode, streams, repeat)
 
-                async def stream(s: int) -> None:
-                    for r in range(requests_per_stream):
-                        idx = (s + r * streams) % len(prompts)
-                        level.requests += 1
-                        ids = await _one(stub, prompts[idx], max_new, fixed_k, timeout_s, level)
-                        if ids is not None and ids != references[idx]:
-                            level.mismatches += 1
-                started = time.perf_counter()
-                await asyncio.gather(*(stream(s) for s in range(streams)))
-                level.wall_s = time.perf_counter() - started
-                print(json.dumps(level.summary()), flush=True)
-                results.append(level)
+                    async def stream(s: int, level: Level = level, fixed_k: int | None = fixed_k) -> None:
+                        for r in range(requests_per_stream):
+                            # Each stream walks through the prompts from its own start, so every stream
+                            # gets a mix (with as many streams as prompts, s + r * streams pinned each
+                            # stream to one prompt, and its duration to that prompt's acceptance).
+                            idx = (s + r) % len(prompts)
+                            level.requests += 1
+                            ids = await _one(stub, prompts[idx], max_new, fixed_k, timeout_s, level)
+                            if ids is not None and ids != references[idx]:
+                                level.mismatches += 1
+                        level.stream_ends.append(time.perf_counter() - level.started)
+                    level.started = time.perf_counter()
+                    await asyncio.gather(*(stream(s) for s in range(streams)))
+                    level.wall_s = time.perf_counter() - level.started
+                    print(json.dumps(level.summary()), flush=True)
+                    results.append(level)
     return results, references
-
-
-def markdown(levels: list[Level]) -> str:
-    rows = ["| mode | streams | tok/s | x one stream | ITL p50 / p99 ms | TTFT p50 / p99 ms | acceptance | mean k | "
-            "guard: rounds off | differs from alone | errors |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    base = {lv.mode: lv.summary()["tokens_per_s"] for lv in levels if lv.streams == 1}
-    for lv in levels:
-        s = lv.summary()
-        ratio = s["tokens_per_s"] / base[lv.mode] if base.get(lv.mode) else 0.0
-        rows.append(f"| {lv.mode} | {lv.streams} | {s['tokens_per_s']:.2f} | {ratio:.2f}x | "
-                    f"{s['itl_p50_ms']:.0f} / {s['itl_p99_ms']:.0f} | {s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | "
-                    f"{s['acceptance'] if s['acceptance'] is not None else '-'} | {s['mean_k']} | "
-                    f"{s['guard_off_share']:.0%} | "
-                    f"{lv.mismatches}/{lv.requests} | "
-                    f"{sum(lv.errors.values())} |")
-    spec = {lv.streams: lv.summary()["tokens_per_s"] for lv in levels if lv.mode == "speculative"}
-    plain = {lv.streams: lv.summary()["tokens_per_s"] for lv in levels if lv.mode == "target-only"}
-    rows.append("\nspeculative / target-only at the same load: " + ", ".join(
-        f"{n} streams {spec[n] / plain[n]:.2f}x" for n in spec if plain.get(n)))
-    return "\n".join(rows)
-
-
-def plot(levels: list[Level], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode, style in (("speculative", "o-"), ("target-only", "s--")):
-        pts = [lv for lv in levels if lv.mode == mode]
-        left.plot([lv.streams for lv in pts], [lv.summary()["tokens_per_s"] for lv in pts], style, label=mode)
-        right.plot([lv.streams for lv in pts], [lv.summary()["itl_p99_ms"] for lv in pts], style, label=mode)
-    left.set(xlabel="concurrent streams", ylabel="aggregate tokens/s", title="throughput")
-    right.set(xlabel="concurrent streams", ylabel="p99 inter-token latency (ms)", title="latency")
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="specdec loadtest --sweep", description=__doc__)
@@ -164,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", default=str(ROOT / "bench" / "prompts.jsonl"))
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="alternate the two modes this many times per level (ABBA), to measure the spread")
+    parser.add_argument("--trace-file", help="the orchestrator appends one JSON line per round here")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--worker-args", default="", help="extra worker flags, e.g. '--max-batch 1'")
     parser.add_argument("--config", help="orchestrator [speculation] TOML (default for the embedded pair: "
@@ -186,14 +132,16 @@ def main(argv: list[str] | None = None) -> None:
 
     def run(address: str) -> tuple[list[Level], dict[int, list[int]]]:
         return asyncio.run(sweep(address, prompts, levels, args.requests_per_stream, args.max_new_tokens,
-                                 args.timeout_s))
+                                 args.timeout_s, args.repeats))
     if args.address:
         results, _ = run(args.address)
     else:
         default_pair = (args.target, args.draft) == (DEFAULT_TARGET, DEFAULT_DRAFT)
         config_file = args.config or (str(DEFAULT_PAIR_CONFIG) if default_pair else None)
         config = ["--config", config_file] if config_file else []
-        orch_args = ["--log-level", "WARNING", "--max-k", "8", "--max-concurrent", str(max(levels) * 2)] + config
+        orch_args = ["--log-level", "INFO", "--max-k", "8", "--max-concurrent", str(max(levels) * 2)] + config
+        if args.trace_file:
+            orch_args += ["--trace-file", str(Path(args.trace_file).resolve())]
         cpu_sets = {role: cpus for role, cpus in (("target", args.target_cpus), ("draft", args.draft_cpus)) if cpus}
         threads = 1 if cpu_sets else 0  # pinned to one CPU each: one torch thread, no oversubscription
         with local_services(args.target, args.draft, threads, orch_args, worker_args=args.worker_args.split(),
@@ -204,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
               "duration_s": round(time.time() - started, 1), "machine": machine, "target": args.target,
               "draft": args.draft, "max_new_tokens": args.max_new_tokens,
-              "requests_per_stream": args.requests_per_stream, "worker_args": args.worker_args,
+              "requests_per_stream": args.requests_per_stream, "repeats": args.repeats, "worker_args": args.worker_args,
               "cpu_sets": {"target": args.target_cpus, "draft": args.draft_cpus},
               "levels": [lv.summary() for lv in results], "raw": [asdict(lv) for lv in results]}
     (out / "loadtest.json").write_text(json.dumps(report, indent=1))
@@ -214,3 +162,10 @@ def main(argv: list[str] | None = None) -> None:
           + markdown(results) + "\n\n![loadtest](loadtest.png)\n")
     (out / "loadtest.md").write_text(md)
     print(md)
+    if args.trace_file and Path(args.trace_file).exists():
+        from orchestrator.traces import load_traces
+        epochs = ("Rounds by policy and pair-guard mode, in the order they ended (`fixed`: the target-only "
+                  "blocks and the references; guard `-`: not guarded), from " + args.trace_file + ":\n\n"
+                  + epochs_markdown(load_traces(args.trace_file)) + "\n")
+        (out / "epochs.md").write_text(epochs)
+        print(epochs)
