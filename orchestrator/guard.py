@@ -19,11 +19,14 @@ per round in flight at once, so that at 8 streams a target-only probe is not one
 rate a single neighbour's prompt chunk in the batch decides (seen on a 2-core CPU: one such probe measured
 target-only 20 % low and kept a losing speculation on for another 40 s).
 
-A decision holds for the load it was measured at. When the pair's concurrency (the most rounds in
-flight over the last LOAD_WINDOW decisions) moves LOAD_SHIFT times above or below what it was when
-the epoch began, the rates compared so far are of another load: the guard drops them and measures
-both modes again, the current winner first, in short epochs, instead of holding the old decision
-through a winner's epoch that may be 64x a probe long.
+A decision holds for the load it was measured at. When the pair's concurrency (the most guarded
+rounds in flight over the last LOAD_WINDOW decisions) moves LOAD_SHIFT times above or below what it
+was when the epoch began, and by at least MIN_LOAD_CHANGE rounds, the rates compared so far are of
+another load: the guard drops them and measures both modes again, the current winner first, in
+short epochs, instead of holding the old decision through a winner's epoch that may be 64x a probe
+long. Being a peak over a window, the load sees a rise at once and a fall only after LOAD_WINDOW
+decisions: an epoch that straddles a fall can still be decided on mixed rates. Sessions that the
+guard does not steer (fixed k, heuristic, min_k > 0) are not counted in the load.
 
 What a round counts for: only steady rounds (a prompt's prefill would swamp the per-token rates),
 decided in the current epoch after every round of earlier epochs had ended. Not counted in either
@@ -45,6 +48,7 @@ SPECULATE, TARGET_ONLY = "spec", "off"
 MEASUREMENT_COST = 0.03  # what the losing mode's re-measurements may cost, as a fraction of throughput
 LOAD_SHIFT = 2.0         # concurrency this many times higher or lower than when the epoch began: measure anew
 LOAD_WINDOW = 32         # decisions over which the pair's concurrency is taken (their most rounds in flight)
+MIN_LOAD_CHANGE = 2      # ... and by at least this many rounds in flight
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,9 @@ class PairGuard:
         """Before a round: TARGET_ONLY means it runs k = 0 (the policy is not asked), SPECULATE that
         the session's policy picks k. Hand the ticket back to observe() or abandon()."""
         self._recent_in_flight.append(self.in_flight + 1)
-        if self._epoch_load and not 1.0 / LOAD_SHIFT < self.load / self._epoch_load < LOAD_SHIFT:
+        if not self._epoch_load:
+            self._epoch_load = self.load  # the pair's first round
+        elif self._load_shifted():
             if self._counted == 0 and all(rate is None for rate in self.rates.values()):
                 self._epoch_load = self.load  # already measuring afresh, nothing counted yet: a ramp
             else:
@@ -126,11 +132,20 @@ class PairGuard:
         (a peak, since sessions of one batched step decide their next rounds one after another)."""
         return max(self._recent_in_flight, default=0)
 
+    def _load_shifted(self) -> bool:
+        """The load is LOAD_SHIFT times above or below the epoch's start, and by at least
+        MIN_LOAD_CHANGE rounds (so that 1 <-> 2 sessions, common at low load, does not count)."""
+        now, then = self.load, self._epoch_load
+        if abs(now - then) < MIN_LOAD_CHANGE:
+            return False
+        return not 1.0 / LOAD_SHIFT < now / then < LOAD_SHIFT
+
     def _restart_for_load(self) -> None:
         """The load moved by LOAD_SHIFT or more since the epoch began: the rates compared so far
         were measured at another load. Measure both modes anew, the current winner first, in
         short epochs, rather than hold the old decision for the rest of a long epoch."""
-        log.info("pair %s: %d rounds in flight, against %d when the epoch began: measuring both modes again",
+        log.info("pair %s: up to %d guarded rounds in flight lately, against %d when the epoch began: "
+                 "measuring both modes again",
                  self.name, self.load, self._epoch_load)
         self.load_restarts += 1
         self.streak = 0

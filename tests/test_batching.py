@@ -330,6 +330,24 @@ async def test_the_retry_hint_reaches_the_orchestrators_caller() -> None:
         await stack.close()
 
 
+def test_load_report_rates_and_ratios_by_hand() -> None:
+    from specdec.tools.loadreport import Level, pooled, pooled_busy, ratios
+    # Two streams: the first ends at 3 s, the second at 6 s. By 3 s, 2 + 3 tokens had come: 5 / 3 tok/s.
+    spec0 = Level("speculative", 2, 0, tokens=9, wall_s=6.0, arrivals=[(1.0, 2), (2.0, 3), (5.0, 4)],
+                  stream_ends=[3.0, 6.0])
+    assert spec0.busy_tokens_per_s() == pytest.approx(5 / 3) and spec0.summary()["tokens_per_s"] == 1.5
+    plain0 = Level("target-only", 2, 0, tokens=6, wall_s=3.0, arrivals=[(1.0, 3), (3.0, 3)], stream_ends=[3.0, 3.0])
+    plain1 = Level("target-only", 2, 1, tokens=6, wall_s=6.0, arrivals=[(2.0, 3), (6.0, 3)], stream_ends=[6.0, 6.0])
+    spec1 = Level("speculative", 2, 1, tokens=8, wall_s=4.0, arrivals=[(2.0, 8)], stream_ends=[2.0, 4.0])
+    levels = [spec0, plain0, plain1, spec1]
+    # Each speculative block against the target-only block of its own repeat.
+    assert ratios(levels)[2] == pytest.approx([1.5 / 2.0, 2.0 / 1.0])
+    assert ratios(levels, busy=True)[2] == pytest.approx([(5 / 3) / 2.0, 4.0 / 1.0])
+    assert pooled(levels, "speculative", 2) == pytest.approx(17 / 10)  # tokens over wall time, both repeats
+    assert pooled_busy(levels, "target-only", 2) == pytest.approx(12 / 9)  # windows of 3 and 6 s
+    assert pooled_busy(levels, "speculative", 2) == pytest.approx((5 + 8) / (3 + 2))
+
+
 def test_guard_epochs_split_a_trace_into_runs_of_one_policy_and_mode() -> None:
     from orchestrator.traces import RoundTrace
     from specdec.tools.loadreport import epochs_markdown, guard_epochs

@@ -118,9 +118,22 @@ def test_a_shift_in_load_starts_a_new_comparison_instead_of_holding_the_old_deci
     # Back to one session: after LOAD_WINDOW decisions at the lower load, measured again; speculation returns.
     play_batched(guard, 200, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
     assert guard.load_restarts == 2 and guard.speculation_wins and guard.flips == 2
-    # A steady load never restarts.
+    # A steady load never restarts, nor does one that moves between 1 and 2 sessions (a change by
+    # one round in flight is noise at low load, not a shift).
     play_batched(guard, 3000, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    for _ in range(20):
+        play_batched(guard, 40, 2, spec_round=(3, 100.0), off_round=(1, 50.0))
+        play_batched(guard, 40, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
     assert guard.load_restarts == 2
+
+
+def test_a_shift_in_load_during_the_pairs_first_epoch_restarts_it_too() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    play_batched(guard, 28, 1, spec_round=(3, 100.0), off_round=(1, 50.0))  # 28 of the first epoch's 32 rounds
+    assert guard.epoch == 0 and guard.load_restarts == 0
+    modes = play_batched(guard, 12, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
+    # Not decided on 28 rounds at one session and 4 at eight: measured again at eight, then target-only.
+    assert guard.load_restarts == 1 and not guard.speculation_wins and guard.flips == 1, modes
 
 
 def test_hysteresis_keeps_the_winner_within_the_margin() -> None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdec.tools.loadtest import percentile
+
+if TYPE_CHECKING:
+    from orchestrator.traces import RoundTrace
 
 
 @dataclass
@@ -40,7 +43,8 @@ class Level:
         return tokens / until if until > 0 else 0.0
 
     def summary(self) -> dict[str, Any]:
-        return {"mode": self.mode, "streams": self.streams, "repeat": self.repeat, "requests": self.requests, "tokens": self.tokens,
+        return {"mode": self.mode, "streams": self.streams, "repeat": self.repeat, "requests": self.requests,
+                "tokens": self.tokens,
                 "tokens_per_s": round(self.tokens / self.wall_s, 2) if self.wall_s else 0.0,
                 "busy_tokens_per_s": round(self.busy_tokens_per_s(), 2),
                 "itl_p50_ms": round(percentile(self.itl_ms, 0.5), 1),
@@ -53,6 +57,7 @@ class Level:
                 "guard_off_share": round(self.guard_off_rounds / self.rounds, 3) if self.rounds else 0.0,
                 "wall_s": round(self.wall_s, 1)}
 
+
 def pooled(levels: list[Level], mode: str, streams: int) -> float:
     """Aggregate tok/s of one mode at one level over all its repeats: tokens over wall time."""
     blocks = [lv for lv in levels if lv.mode == mode and lv.streams == streams]
@@ -61,7 +66,7 @@ def pooled(levels: list[Level], mode: str, streams: int) -> float:
 
 
 def pooled_busy(levels: list[Level], mode: str, streams: int) -> float:
-    """Busy-window tok/s of one mode at one level over all its repeats (see the module doc)."""
+    """Busy-window tok/s of one mode at one level over all its repeats (see Level.busy_tokens_per_s)."""
     blocks = [lv for lv in levels if lv.mode == mode and lv.streams == streams and lv.stream_ends]
     window = sum(min(lv.stream_ends) for lv in blocks)
     return sum(lv.busy_tokens_per_s() * min(lv.stream_ends) for lv in blocks) / window if window else 0.0
@@ -82,7 +87,7 @@ def ratios(levels: list[Level], busy: bool = False) -> dict[int, list[float]]:
     return out
 
 
-def guard_epochs(traces: list[Any]) -> list[dict[str, Any]]:
+def guard_epochs(traces: list[RoundTrace]) -> list[dict[str, Any]]:
     """Runs of consecutive rounds (in the order they ended) with one policy and one guard mode: what
     the pair did when. For each: its span in s from the first round's start, rounds, tokens, tok/s
     over the span, the tokens per second of round time (per session), prompts, draft catch-up."""
@@ -111,7 +116,8 @@ def guard_epochs(traces: list[Any]) -> list[dict[str, Any]]:
             for r in runs]
 
 
-def epochs_markdown(traces: list[Any]) -> str:
+def epochs_markdown(traces: list[RoundTrace]) -> str:
+    """guard_epochs as a markdown table."""
     rows = [("| policy | guard | from s | to s | rounds | tokens | tok/s over the span | tok/s per session | "
              "prompts | draft prefilled |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for e in guard_epochs(traces):

@@ -4,16 +4,16 @@ For each concurrency level N, N closed-loop streams each run `--requests-per-str
 one after another (the bench's prompts, chat-templated), with the server's default k policy and with
 k = 0 (target-only) through the same services. With `--repeats R` the two modes alternate R times per
 level in ABBA order (spec, target-only, target-only, spec, ...), so a drift of the machine's speed over
-the run falls on both modes alike; the report gives each repeat's ratio and their spread. Reports per level: aggregate tok/s, p50 and
-p99 inter-token latency (each chunk's gap spread over the tokens it carried, so a speculative round's
-burst counts as that many tokens), p50 and p99 time to first token, and how many outputs differ from
-the same prompt run alone (identity under batching). Throughput is given twice: over the whole block
-(until the last stream's last request ends) and while all N streams were busy (until the first stream
-ran out of requests). A closed loop with a fixed request count ends in a drain, in which fewer than N
-streams run; speculation, whose requests vary in duration, drains longer than target-only, whose
-requests under one batch all take the same steps. The busy figure compares the two at the same load.
-Bounded: a fixed number of requests, each with
-a deadline; it stops by itself.
+the run falls on both modes alike; the report gives each repeat's ratio and their spread. Reports per
+level: aggregate tok/s, p50 and p99 inter-token latency (each chunk's gap spread over the tokens it
+carried, so a speculative round's burst counts as that many tokens), p50 and p99 time to first
+token, and how many outputs differ from the same prompt run alone (identity under batching).
+Throughput is given twice: over the whole block (until the last stream's last request ends) and
+while all N streams were busy (until the first stream ran out of requests). A closed loop with a
+fixed request count ends in a drain, in which fewer than N streams run; speculation, whose requests
+vary in duration, drains longer than target-only, whose requests under one batch all take the same
+steps. The busy figure compares the two at the same load. Bounded: a fixed number of requests, each
+with a deadline; it stops by itself.
 """
 from __future__ import annotations
 
@@ -37,12 +37,13 @@ async def _one(stub: Any, prompt_ids: list[int], max_new: int, fixed_k: int | No
     import grpc
     req = make_request(prompt_ids, max_new, fixed_k)
     ids: list[int] = []
+    arrivals: list[tuple[float, int]] = []
     start = last = time.perf_counter()
     try:
         async for chunk in stub.GenerateStream(req, timeout=timeout_s):
             now = time.perf_counter()
             if chunk.token_ids:
-                level.arrivals.append((now - level.started, len(chunk.token_ids)))
+                arrivals.append((now - level.started, len(chunk.token_ids)))
                 if not ids:
                     level.ttft_ms.append((now - start) * 1000.0)
                 else:
@@ -59,6 +60,7 @@ async def _one(stub: Any, prompt_ids: list[int], max_new: int, fixed_k: int | No
         level.errors[err.code().name] = level.errors.get(err.code().name, 0) + 1
         return None
     level.tokens += len(ids)
+    level.arrivals.extend(arrivals)  # a failed request's tokens count in neither figure
     return ids
 
 
@@ -82,10 +84,12 @@ async def sweep(address: str, prompts: list[list[int]], levels: list[int], reque
 
                     async def stream(s: int, level: Level = level, fixed_k: int | None = fixed_k) -> None:
                         for r in range(requests_per_stream):
-                            # Each stream walks through the prompts from its own start, so every stream
-                            # gets a mix (with as many streams as prompts, s + r * streams pinned each
-                            # stream to one prompt, and its duration to that prompt's acceptance).
-                            idx = (s + r) % len(prompts)
+                            # Each stream takes its own run of prompts, so every stream gets a mix and
+                            # the streams together cover them all (with as many streams as prompts,
+                            # s + r * streams pinned each stream to one prompt, and its duration to
+                            # that prompt's acceptance; runs 15-16 used s + r, which at 4 streams x 2
+                            # requests covered only 5 of the 8 prompts).
+                            idx = (s * requests_per_stream + r) % len(prompts)
                             level.requests += 1
                             ids = await _one(stub, prompts[idx], max_new, fixed_k, timeout_s, level)
                             if ids is not None and ids != references[idx]:
@@ -139,8 +143,10 @@ def main(argv: list[str] | None = None) -> None:
         default_pair = (args.target, args.draft) == (DEFAULT_TARGET, DEFAULT_DRAFT)
         config_file = args.config or (str(DEFAULT_PAIR_CONFIG) if default_pair else None)
         config = ["--config", config_file] if config_file else []
+        # INFO: the pair guard's flips back to speculating and its load restarts reach the log.
         orch_args = ["--log-level", "INFO", "--max-k", "8", "--max-concurrent", str(max(levels) * 2)] + config
         if args.trace_file:
+            Path(args.trace_file).unlink(missing_ok=True)  # the orchestrator appends: start from this run's rounds
             orch_args += ["--trace-file", str(Path(args.trace_file).resolve())]
         cpu_sets = {role: cpus for role, cpus in (("target", args.target_cpus), ("draft", args.draft_cpus)) if cpus}
         threads = 1 if cpu_sets else 0  # pinned to one CPU each: one torch thread, no oversubscription
