@@ -55,9 +55,14 @@ class RoundRecord:
 
     @property
     def steady(self) -> bool:
-        """No prompt prefill in either call: the round's time says something about its k. (The draft
-        catches up 2 tokens after a fully accepted round: that is steady state too.)"""
-        return self.draft_prefilled <= 2 and self.target_prefilled <= 1
+        return is_steady(self.draft_prefilled, self.target_prefilled)
+
+
+def is_steady(draft_prefilled: int, target_prefilled: int) -> bool:
+    """No prompt prefill in either call: the round's time says something about its k. (The draft
+    catches up 2 tokens after a fully accepted round: that is steady state too.) One rule for live
+    rounds (the guard, the policies) and recorded ones (the tune simulator)."""
+    return draft_prefilled <= 2 and target_prefilled <= 1
 
 
 class RoundObserver(Protocol):

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.record import is_steady
+
 log = logging.getLogger(__name__)
 
 
@@ -43,6 +45,10 @@ class RoundTrace:
     target_waiting: int = 0
     guard: str = ""  # the pair guard's epoch: "spec", "off" (k forced to 0), "" (not guarded)
     emitted: int = -1  # tokens the round added to the output (-1 in older traces: accepted + 1 stands in)
+
+    @property
+    def steady(self) -> bool:
+        return is_steady(self.draft_prefilled, self.target_prefilled)
 
     @property
     def tokens(self) -> int:

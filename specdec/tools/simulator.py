@@ -29,6 +29,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from orchestrator.guard import TARGET_ONLY
 from orchestrator.kpolicy import KPolicy, SessionStats, draft_forwards
 
 
@@ -108,7 +109,7 @@ def build(traces: Sequence) -> TraceData:
             draft_per_token.append(t.draft_token_ms)
         # A round the pair guard forced to k = 0 ran with the whole pair off: its verify time is not
         # what a k = 0 of one session costs beside the others' drafts.
-        if t.draft_prefilled <= 2 and t.target_prefilled <= 1 and not t.fallback and t.guard != "off":
+        if t.steady and not t.fallback and t.guard != TARGET_ONLY:
             if t.drafted > 0 and not t.draft_token_ms:  # older traces: whole call over its forwards
                 draft_per_token.append(t.draft_ms / draft_forwards(t.k, t.drafted))
             verify_by_k.setdefault(t.drafted, []).append(t.verify_ms)
