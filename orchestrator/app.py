@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.routing import ReplicaPool, RoutedDraft, RoutedTarget
 from orchestrator.traces import TraceWriter
 from specdec import grpc_util, security
-from specdec.errors import DeadlineExceeded, WorkerUnavailable
+from specdec.errors import DeadlineExceeded, SpecdecError, WorkerUnavailable
 from specdec.metrics import serve_metrics
 from specdec.tokenizers import load_tokenizer
 
@@ -66,6 +67,26 @@ async def wait_for_worker(backend: Any, timeout_s: float):
             await asyncio.sleep(0.5)
 
 
+RTT_PINGS = 3  # GetInfo calls per worker at startup; the fastest one is the round trip
+
+
+async def measure_rtt_ms(backend: Any, role: str, pings: int = RTT_PINGS) -> float | None:
+    """The shortest wall time of a few GetInfo calls to a worker that is up: the network and serving
+    overhead every call to it pays on top of its compute. It seeds the policies' RTTs, so that a far
+    worker is priced from the first round of a fresh deployment. None if no ping answered."""
+    best: float | None = None
+    for _ in range(pings):
+        start = time.perf_counter()
+        try:
+            await backend.describe(timeout_s=5.0)
+        except SpecdecError as err:
+            log.warning("RTT ping to the %s failed (%s); the policies start from a guess", role, err)
+            return best
+        ms = (time.perf_counter() - start) * 1000.0
+        best = ms if best is None else min(best, ms)
+    return best
+
+
 async def build_engine(cfg: OrchestratorConfig, metrics: OrchestratorMetrics | None = None
                        ) -> tuple[GenerationEngine, RoutedDraft, RoutedTarget]:
     creds = (security.channel_credentials(cfg.worker_ca, cfg.worker_client_cert, cfg.worker_client_key)
@@ -94,15 +115,21 @@ async def build_engine(cfg: OrchestratorConfig, metrics: OrchestratorMetrics | N
     if draft_info.max_context < target_info.max_context:
         log.warning("draft context (%d) is shorter than the target's (%d): rounds past it run target-only",
                     draft_info.max_context, target_info.max_context)
+    draft_rtt_ms, target_rtt_ms = await measure_rtt_ms(draft, "draft"), await measure_rtt_ms(target, "target")
+    log.info("round trip at startup (GetInfo): draft %s ms, target %s ms", _ms(draft_rtt_ms), _ms(target_rtt_ms))
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer)
     observers: list[Any] = [metrics] if metrics is not None else []
     if cfg.trace_file:
         observers.append(TraceWriter(cfg.trace_file))
     engine = GenerationEngine(draft, target, tokenizer, target_info, cfg.speculation, cfg.limits, observers,
-                              draft_info=draft_info)
+                              draft_info=draft_info, draft_rtt_ms=draft_rtt_ms, target_rtt_ms=target_rtt_ms)
     log.info("draft %s at %s, target %s at %s", draft_info.model_ref, cfg.draft_address,
              target_info.model_ref, cfg.target_address)
     return engine, draft, target
+
+
+def _ms(value: float | None) -> str:
+    return "?" if value is None else f"{value:.1f}"
 
 
 async def start_orchestrator(cfg: OrchestratorConfig):

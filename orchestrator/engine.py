@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import logging
 import random
 import time
@@ -49,7 +48,8 @@ class GenerationEngine:
     def __init__(self, draft: DraftBackend, target: TargetBackend, tokenizer: Tokenizer,
                  target_info: WorkerDescription, speculation: SpeculationConfig = SpeculationConfig(),
                  limits: EngineLimits = EngineLimits(), observers: Sequence[RoundObserver] = (),
-                 draft_info: WorkerDescription | None = None) -> None:
+                 draft_info: WorkerDescription | None = None, draft_rtt_ms: float | None = None,
+                 target_rtt_ms: float | None = None) -> None:
         self.draft = draft
         self.target = target
         self.tokenizer = tokenizer
@@ -69,6 +69,7 @@ class GenerationEngine:
         self.priors: dict[str, SessionStats] = {}
         # Where a new pair's prior starts: the workers' own cost curves, measured at their startup.
         self.seed_stats = seeded_stats(draft_info, target_info, self.speculation.max_k)
+        self.seed_stats.timing.seed_rtt(draft_rtt_ms, target_rtt_ms)  # pinged at startup (app.measure_rtt_ms)
         # One guard per worker pair: it measures whether the pair as a whole gains by speculating.
         self.guards: dict[str, PairGuard] = {}
         self.sessions = OrchestratorSessions(limits.max_sessions, limits.session_ttl_s, self._end_on_workers)
@@ -163,7 +164,7 @@ class GenerationEngine:
         return _bounded_entry(self.guards, key, lambda: PairGuard(self.speculation.guard_settings(), key))
 
     def _new_prior(self) -> SessionStats:
-        prior = copy.deepcopy(self.seed_stats)
+        prior = self.seed_stats.as_pair_prior()
         prior.timing.load = self.seed_stats.timing.load.fresh()  # one live load per worker pair
         return prior
 
@@ -204,7 +205,7 @@ class GenerationEngine:
         ephemeral = params.session_id is None
         session_id = params.session_id or f"tmp-{uuid.uuid4().hex}"
         session = self.sessions.get_or_create(session_id, ephemeral,
-                                              lambda: copy.deepcopy(self.prior_for(session_id)))
+                                              lambda: self.prior_for(session_id).new_session())
         if session.lock.locked():
             raise SessionBusy(f"session {session_id!r} is busy with another request; retry when it finishes")
         async with session.lock:
@@ -270,7 +271,8 @@ class GenerationEngine:
         finally:
             await round_.settle()  # no pre-draft outlives its turn
         stats.total_ms = (time.perf_counter() - started) * 1000.0
-        prior.timing = copy.deepcopy(session.stats.timing)  # the pair's latest timings seed new sessions
+        # Rounds not forced off by the guard: the policy chose their k.
+        session.stats.carry_turn_into(prior, policy.name == "cost" and stats.rounds > stats.guard_off_rounds)
         if session.messages and params.messages is not None:
             session.messages.append({"role": "assistant", "content": stop.full_text})
         yield GenerationEvent(record.text_delta, list(record.emitted), record.finish, stats, label)

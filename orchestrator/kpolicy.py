@@ -8,6 +8,7 @@ estimates (acceptance, per-k costs, RTTs, bonus match); one module keeps them co
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -18,13 +19,20 @@ from specdec import curves
 
 @dataclass
 class Ewma:
-    """Exponentially weighted moving average with a prior that counts as `prior_weight` observations."""
+    """Exponentially weighted moving average whose starting value counts as `prior_weight` observations.
+
+    The n-th observation weighs max(alpha, 1 / (n + prior_weight)): a running mean with the start
+    counted as prior_weight observations, until 1 / (n + prior_weight) falls below alpha. With
+    prior_weight 0 (a guess) the first observation replaces the start. The default (infinite)
+    weight is a plain EWMA from a trusted start (a calibrated cost)."""
     alpha: float
     value: float
     observations: int = 0
+    prior_weight: float = math.inf
 
     def update(self, x: float) -> None:
-        self.value = (1 - self.alpha) * self.value + self.alpha * x
+        weight = max(self.alpha, 1.0 / (self.observations + 1.0 + self.prior_weight))
+        self.value = (1 - weight) * self.value + weight * x
         self.observations += 1
 
 
@@ -110,10 +118,11 @@ class TimingModel:
     # Per-k measurements win over the line: on CPUs the cost of a forward over k+1 tokens is often a
     # step function (GEMM kernels switch at a batch size), which no line captures.
     verify_by_k: dict[int, Ewma] = field(default_factory=dict)
-    rtt_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 1.0))
-    # The draft call's own network + serving overhead (its wall time minus its compute): a draft on
-    # a far node can cost more in RTT than in compute.
-    draft_rtt_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 1.0))
+    # The verify call's network + serving overhead (its wall time minus its compute). The 1 ms start is
+    # a guess (prior_weight 0): the first measurement replaces it, or a ping at startup (seed_rtt).
+    rtt_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 1.0, prior_weight=0.0))
+    # The draft call's own overhead, likewise: a draft on a far node can cost more in RTT than in compute.
+    draft_rtt_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 1.0, prior_weight=0.0))
     # Load. The target batches the verifies of concurrent sessions into one forward, so at B sessions
     # per forward a round at k costs a forward over about B*(k+1) rows, not k+1: what the extra
     # drafts cost depends on where B*(k+1) sits on the target's cost curve (flat while the forward
@@ -167,6 +176,14 @@ class TimingModel:
             for k, ms in sorted(verify_ms_by_k.items()):
                 self.verify_line.update(k, ms)
 
+    def seed_rtt(self, draft_rtt_ms: float | None, target_rtt_ms: float | None) -> None:
+        """Start the RTTs from round trips measured at startup (GetInfo pings): each counts as one
+        observation, so that a far worker is priced from the first round of a fresh deployment."""
+        if draft_rtt_ms is not None:
+            self.draft_rtt_ms = Ewma(self.draft_rtt_ms.alpha, draft_rtt_ms, prior_weight=1.0)
+        if target_rtt_ms is not None:
+            self.rtt_ms = Ewma(self.rtt_ms.alpha, target_rtt_ms, prior_weight=1.0)
+
     def observe_draft(self, k: int, compute_ms: float) -> None:
         if k > 0:
             self.draft_ms_per_token.update(compute_ms / k)
@@ -192,10 +209,21 @@ class TimingModel:
         self.draft_rtt_ms.update(max(0.0, overhead_ms))
 
 
+SESSION_ACCEPTANCE_ALPHA = 0.3  # a session follows its own text quickly
+# A worker pair's prior, which every round of every session updates, averages over about 20 rounds:
+# a new session starts from the pair's typical acceptance, not from whatever the last three rounds
+# of other sessions did (acceptance is bimodal per prompt; at 0.3, a few fully accepted rounds
+# elsewhere made new sessions start at k = 8 and reject at their first or second token).
+PAIR_ACCEPTANCE_ALPHA = 0.05
+# A fresh pair's starting acceptance (0.7) is a guess: it weighs as 2 rounds, so the pair's first
+# rounds average in at once (after 10 rounds at 0.9 the prior says 0.87, not 0.78).
+PAIR_GUESS_WEIGHT = 2.0
+
+
 @dataclass
 class SessionStats:
     """What a policy sees. Updated by the orchestrator after each round."""
-    acceptance: Ewma = field(default_factory=lambda: Ewma(0.3, 0.7))
+    acceptance: Ewma = field(default_factory=lambda: Ewma(SESSION_ACCEPTANCE_ALPHA, 0.7))
     timing: TimingModel = field(default_factory=TimingModel)
     # Pipelining: how often the draft's guess of the bonus token is the target's, after a fully
     # accepted round (the second condition of a pre-draft hit; the first is accepting all k).
@@ -208,6 +236,28 @@ class SessionStats:
     failed_probes: int = 0
     # Bandit arms: k -> [rounds, mean tokens per ms]
     arms: dict[int, list[float]] = field(default_factory=dict)
+
+    def as_pair_prior(self) -> "SessionStats":
+        """A copy to serve as a fresh worker pair's prior: its acceptance averages over many rounds,
+        and its starting value (a guess) gives way to the pair's first rounds."""
+        prior = copy.deepcopy(self)
+        prior.acceptance = Ewma(PAIR_ACCEPTANCE_ALPHA, self.acceptance.value, prior_weight=PAIR_GUESS_WEIGHT)
+        return prior
+
+    def new_session(self) -> "SessionStats":
+        """A new session's statistics, from this pair prior: its value, a session's pace."""
+        stats = copy.deepcopy(self)
+        stats.acceptance = Ewma(SESSION_ACCEPTANCE_ALPHA, self.acceptance.value)
+        return stats
+
+    def carry_turn_into(self, prior: "SessionStats", policy_chose_k: bool) -> None:
+        """At the end of a turn, what the pair's prior takes over from this session (its acceptance,
+        rounds and arms it has learned round by round): the latest timings, and, where the cost
+        policy chose k this turn, its probe back-off, so that where drafting keeps losing a new
+        session waits as long as the pair has learned to (rounds_since_draft is the pair's already)."""
+        prior.timing = copy.deepcopy(self.timing)
+        if policy_chose_k:
+            prior.failed_probes = self.failed_probes
 
     def observe(self, record: Any, timing: bool = True) -> None:
         """One round (an orchestrator.rounds.RoundRecord). Prefill rounds say nothing about a k's

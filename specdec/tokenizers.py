@@ -47,6 +47,7 @@ class HFTokenizer:
     def __init__(self, tok: Any, eos_ids: list[int]) -> None:
         self._tok = tok
         self._eos = eos_ids
+        self._fingerprint: str | None = None
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
@@ -62,9 +63,12 @@ class HFTokenizer:
         return list(out)
 
     def fingerprint(self) -> str:
-        vocab = sorted(self._tok.get_vocab().items(), key=lambda kv: kv[1])
-        digest = hashlib.sha256("\n".join(f"{t}\t{i}" for t, i in vocab).encode()).hexdigest()
-        return digest[:16]
+        """Computed once: sorting and hashing a 150k-token vocabulary takes about 0.3 s on a CPU,
+        and GetInfo (which the orchestrator also times as its startup RTT ping) reports it."""
+        if self._fingerprint is None:
+            vocab = sorted(self._tok.get_vocab().items(), key=lambda kv: kv[1])
+            self._fingerprint = hashlib.sha256("\n".join(f"{t}\t{i}" for t, i in vocab).encode()).hexdigest()[:16]
+        return self._fingerprint
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -1,6 +1,7 @@
 """Start real gRPC servers (draft, target, orchestrator) on 127.0.0.1:0 inside the test's event loop."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,17 +31,32 @@ def cached_model(ref: str, dtype: torch.dtype = torch.float32):
 
 async def start_worker(role: str, ref: str, limits: StoreLimits = StoreLimits(), port: int = 0,
                        dtype: torch.dtype = torch.float32, credentials: grpc.ServerCredentials | None = None,
-                       batch: BatchLimits = BatchLimits()):
+                       batch: BatchLimits = BatchLimits(), call_delay_ms: float = 0.0):
+    """call_delay_ms: every call waits this long before it is served (a worker on a far node)."""
     core = WorkerCore(cached_model(ref, dtype), role, limits)
+    servicer: Any
     if role == "draft":
         servicer = DraftServicer(core, limits=batch)
+    else:
+        servicer = TargetServicer(core, batch)
+    if call_delay_ms:
+        for name in ("GetInfo", "EndSession", "Propose", "Verify"):
+            if hasattr(servicer, name):
+                setattr(servicer, name, _delayed(getattr(servicer, name), call_delay_ms))
+    if role == "draft":
         handle = await grpc_util.start_server(lambda s: register_draft(servicer, s), [DRAFT_SERVICE], port=port,
                                               credentials=credentials)
     else:
-        servicer = TargetServicer(core, batch)
         handle = await grpc_util.start_server(lambda s: register_target(servicer, s), [TARGET_SERVICE], port=port,
                                               credentials=credentials)
     return handle, servicer
+
+
+def _delayed(call: Any, ms: float) -> Any:
+    async def wait_then_call(request: Any, context: Any) -> Any:
+        await asyncio.sleep(ms / 1000.0)
+        return await call(request, context)
+    return wait_then_call
 
 
 @dataclass
@@ -94,8 +110,9 @@ async def start_stack(target_ref: str = "tiny:seed=0", draft_ref: str = "tiny:se
                       worker_limits: StoreLimits = StoreLimits(), engine_limits: EngineLimits = EngineLimits(),
                       max_concurrent: int = 8, max_queue: int = 32,
                       draft_dtype: torch.dtype = torch.float32, trace_file: str | None = None,
-                      batch: BatchLimits = BatchLimits()) -> Stack:
-    draft_handle, draft = await start_worker("draft", draft_ref, worker_limits, dtype=draft_dtype, batch=batch)
+                      batch: BatchLimits = BatchLimits(), draft_call_delay_ms: float = 0.0) -> Stack:
+    draft_handle, draft = await start_worker("draft", draft_ref, worker_limits, dtype=draft_dtype, batch=batch,
+                                             call_delay_ms=draft_call_delay_ms)
     target_handle, target = await start_worker("target", target_ref, worker_limits, batch=batch)
     cfg = OrchestratorConfig(f"127.0.0.1:{draft_handle.port}", f"127.0.0.1:{target_handle.port}", target_ref,
                              speculation, engine_limits, max_concurrent, max_queue, connect_timeout_s=10.0,

@@ -147,9 +147,9 @@ def test_hysteresis_keeps_the_winner_within_the_margin() -> None:
 
 def test_only_steady_rounds_decided_after_the_last_epochs_rounds_ended_count() -> None:
     guard = PairGuard(GuardSettings(spec_rounds=2, off_rounds=2, rounds_per_session=0))
-    prompt, first, second, late = guard.decide(), guard.decide(), guard.decide(), guard.decide()
-    assert all(t.mode == SPECULATE and t.clean for t in (prompt, first, second, late))
-    guard.observe(prompt, 50, 10.0, steady=False, drafted=True)  # a prompt round: not counted
+    catch_up, first, second, late = guard.decide(), guard.decide(), guard.decide(), guard.decide()
+    assert all(t.mode == SPECULATE and t.clean for t in (catch_up, first, second, late))
+    guard.observe(catch_up, 50, 10.0, steady=False, drafted=True)  # the draft caught up: not counted
     guard.observe(first, 3, 10.0, steady=True, drafted=True)
     assert guard.epoch == 0
     guard.observe(second, 5, 30.0, steady=True, drafted=True)  # the second counted round ends the epoch

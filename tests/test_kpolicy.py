@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.config import SpeculationConfig
-from orchestrator.kpolicy import (CostModelPolicy, DecayingLine, FixedPolicy, HeuristicPolicy, SessionStats,
-                             TargetLoad, expected_tokens, speedup_bound)
+from orchestrator.kpolicy import (PAIR_ACCEPTANCE_ALPHA, SESSION_ACCEPTANCE_ALPHA, CostModelPolicy, DecayingLine, Ewma,
+                             FixedPolicy, HeuristicPolicy, SessionStats, TargetLoad, expected_tokens,
+                             speedup_bound)
 
 
 def stats_with(acceptance: float, draft_ms: float = 10.0, verify_base: float = 50.0, verify_slope: float = 2.0,
@@ -74,6 +75,67 @@ def test_cost_model_probes_after_long_target_only_stretch_and_backs_off() -> Non
     # A probe that shows drafting pays again resets the back-off.
     s.acceptance.value = 0.95
     assert policy.next_k(s, 0, 8) > 0 and s.failed_probes == 0
+
+
+def test_a_guessed_start_gives_way_to_the_first_measurements_and_a_trusted_one_does_not() -> None:
+    guess = Ewma(0.2, 1.0, prior_weight=0.0)
+    guess.update(60.0)
+    assert guess.value == 60.0  # the first measurement replaces the guess
+    guess.update(40.0)
+    assert guess.value == pytest.approx(50.0)  # the first few are averaged ...
+    for _ in range(3):
+        guess.update(40.0)
+    assert guess.value == pytest.approx(44.0)  # (60 + 4 * 40) / 5
+    guess.update(140.0)
+    assert guess.value == pytest.approx(0.8 * 44.0 + 0.2 * 140.0)  # ... then weight alpha
+    seeded = Ewma(0.2, 30.0, prior_weight=1.0)  # a start measured once (a startup ping)
+    seeded.update(60.0)
+    assert seeded.value == pytest.approx(45.0)
+    trusted = Ewma(0.2, 1.0)  # a plain EWMA: the start weighs (1 - alpha) from the first update
+    trusted.update(60.0)
+    assert trusted.value == pytest.approx(0.8 * 1.0 + 0.2 * 60.0)
+
+
+def test_one_measured_draft_rtt_is_enough_to_stop_drafting_to_a_far_draft() -> None:
+    """Before: the 1 ms guess weighed 4 observations, so a draft 60 ms away looked 13 ms away after
+    its first call and drafting went on. A cheap draft (1 ms per token), a 30 ms target."""
+    s = stats_with(0.7, draft_ms=1.0, verify_base=30.0, verify_slope=0.5, rtt=0.5)
+    policy = CostModelPolicy()
+    assert policy.next_k(s, 0, 8) > 0
+    s.timing.observe_draft_rtt(60.0)
+    assert s.timing.draft_rtt_ms.value == 60.0 and policy.next_k(s, 0, 8) == 0
+
+
+def test_a_new_session_starts_from_the_pairs_typical_acceptance_not_its_last_three_rounds() -> None:
+    """The pair's prior sees every round of every session. Acceptance is bimodal per prompt: a few
+    fully accepted rounds in one session said little about the next session's text, yet at a
+    session's pace (0.3) they set its first k (loadtest run 17: first rounds at k = 7-8, accepting 1-2)."""
+    def history(stats: SessionStats) -> SessionStats:
+        for _ in range(40):
+            stats.observe_round(4, 1)  # the pair's typical text: 1 of 4 accepted, a = 0.5
+        for _ in range(3):
+            stats.observe_round(8, 8)  # then three fully accepted rounds in another session
+        return stats
+
+    fresh = SessionStats().as_pair_prior()
+    for _ in range(10):
+        fresh.observe_round(4, 4)  # a fresh pair whose first rounds accept everything
+    assert fresh.acceptance.value == pytest.approx((2 * 0.7 + 10 * 1.0) / 12)  # the 0.7 guess weighs 2 rounds
+    prior = history(SessionStats().as_pair_prior())
+    assert prior.acceptance.alpha == PAIR_ACCEPTANCE_ALPHA and 0.55 < prior.acceptance.value < 0.65
+    session = prior.new_session()
+    assert session.acceptance.alpha == SESSION_ACCEPTANCE_ALPHA and session.acceptance.value == prior.acceptance.value
+    at_session_pace = history(SessionStats())
+    assert at_session_pace.acceptance.value > 0.8
+    policy = CostModelPolicy()
+    for stats in (session, at_session_pace):  # a loaded co-located pair: 180 ms per draft token, flat verify
+        stats.timing.draft_ms_per_token.value = 180.0
+        stats.timing.verify_by_k = {k: Ewma(0.3, 800.0) for k in range(9)}
+    assert policy.next_k(session, 0, 8) <= 2 < 4 <= policy.next_k(at_session_pace, 0, 8)
+    # The session then follows its own text at its own pace, and the prior is not touched.
+    session.observe_round(4, 4)
+    assert session.acceptance.value == pytest.approx(0.7 * prior.acceptance.value + 0.3)
+    assert prior.acceptance.value < session.acceptance.value
 
 
 def test_acceptance_ewma_tracks_rounds() -> None:

@@ -13,7 +13,8 @@ from orchestrator.config import SpeculationConfig, SpeculationOverride
 from orchestrator.traces import RoundTrace, load_traces
 from specdec.tools import simulator
 from specdec.errors import InvalidRequest
-from orchestrator.kpolicy import BanditPolicy, CostModelPolicy, KPolicy, SessionStats
+from orchestrator.kpolicy import (PAIR_ACCEPTANCE_ALPHA, SESSION_ACCEPTANCE_ALPHA, BanditPolicy, CostModelPolicy, KPolicy,
+                                  SessionStats)
 from tests.stack import start_stack
 
 
@@ -146,6 +147,8 @@ async def test_new_sessions_start_from_their_worker_pair_prior() -> None:
         # It started from the pair's history (rounds and timings), not from zero.
         assert fresh.rounds == learned_rounds + reply.stats.rounds
         assert set(prior.timing.verify_by_k) <= set(fresh.timing.verify_by_k)
+        # The prior's acceptance is the pair's long-run average; the session's follows its own text.
+        assert prior.acceptance.alpha == PAIR_ACCEPTANCE_ALPHA and fresh.acceptance.alpha == SESSION_ACCEPTANCE_ALPHA
     finally:
         await stack.close()
 

@@ -3,18 +3,23 @@ policy from it, and the guard rail that drops to target-only when the draft cann
 (Speed itself is measured by `specdec bench`, never asserted here.)"""
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import pytest
 import torch
 
+from orchestrator.app import measure_rtt_ms
 from orchestrator.backends import WorkerDescription
+from orchestrator.config import SpeculationConfig
 from orchestrator.engine import seeded_stats
 from orchestrator.kpolicy import CostModelPolicy, SessionStats
 from specdec import linear_path
 from specdec.calibration import calibrate, measure_cost_curve, measurement_order
 from specdec.contract import CostCurve
+from specdec.errors import WorkerUnavailable
 from specdec.models import load_model
+from specdec.tokenizers import HFTokenizer
 from specdec.v1 import common_pb2
 from specdec.worker_core import WorkerCore
 from target_worker.servicer import TargetServicer
@@ -149,6 +154,76 @@ async def test_a_slow_draft_drops_the_default_policy_to_target_only() -> None:
         assert first_zero <= 4, ks
         after = ks[first_zero:]
         assert sum(1 for k in after if k > 0) <= len(after) // 16 + 1, ks  # only the probes draft
+    finally:
+        await stack.close()
+
+
+async def test_a_far_draft_is_priced_from_the_startup_ping() -> None:
+    """Every draft call waits 100 ms (a draft on a far node; its compute is cheap). The orchestrator's
+    startup ping (GetInfo) measures that, so the very first round of a fresh deployment runs k = 0
+    (with the old 1 ms guess, it drafted)."""
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.04", draft_call_delay_ms=100.0)
+    try:
+        timing = stack.orch.engine.seed_stats.timing
+        assert timing.draft_rtt_ms.value >= 100.0 and timing.rtt_ms.value < 100.0  # the target is near
+        reply = await stack.generate(prompt_ids=[5, 6, 7], max_new_tokens=40)
+        assert list(reply.token_ids) == reference_greedy([5, 6, 7], 40)
+        assert list(reply.stats.k_per_round)[0] == 0, list(reply.stats.k_per_round)
+    finally:
+        await stack.close()
+
+
+async def test_the_startup_ping_takes_the_fastest_call_and_gives_up_quietly() -> None:
+    class Worker:
+        def __init__(self, delays_s: list[float], fail_after: int | None = None) -> None:
+            self.delays_s, self.fail_after, self.calls = delays_s, fail_after, 0
+
+        async def describe(self, timeout_s: float) -> None:
+            if self.fail_after is not None and self.calls >= self.fail_after:
+                raise WorkerUnavailable("draft 127.0.0.1:1: connection refused")
+            await asyncio.sleep(self.delays_s[self.calls])
+            self.calls += 1
+
+    worker = Worker([0.2, 0.02, 0.1])  # the first call also pays for the connection, say
+    assert 20.0 <= await measure_rtt_ms(worker, "draft") < 100.0 and worker.calls == 3
+    assert 20.0 <= await measure_rtt_ms(Worker([0.02, 0.02], fail_after=1), "draft") < 200.0
+    assert await measure_rtt_ms(Worker([], fail_after=0), "target") is None  # the policies keep their guess
+
+
+def test_get_info_does_not_hash_the_vocabulary_on_every_call() -> None:
+    """GetInfo is the startup RTT ping. It reported the tokenizer's fingerprint by sorting and hashing
+    the 150k-token vocabulary each time: about 290 ms per call on a 2-core CPU, which the ping took
+    for network latency (loadtest runs 18 and 19 started with a 290 ms draft RTT)."""
+    class Vocabulary:
+        calls = 0
+
+        def get_vocab(self) -> dict[str, int]:
+            Vocabulary.calls += 1
+            return {"a": 0, "b": 1}
+
+    tokenizer = HFTokenizer(Vocabulary(), [1])
+    assert tokenizer.fingerprint() == tokenizer.fingerprint() and Vocabulary.calls == 1
+
+
+async def test_a_new_session_keeps_the_pairs_probe_backoff() -> None:
+    """Where drafting keeps losing (a far draft), the cost policy probes after 16 target-only rounds,
+    then 32, 64, ... A new session on the same pair continues that back-off instead of probing after
+    16 rounds again. (The pair guard is off here: it would take the rounds over.)"""
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.04", draft_call_delay_ms=100.0,
+                              speculation=SpeculationConfig(guard=False))
+    try:
+        first = list((await stack.generate(prompt_ids=[5, 6, 7], max_new_tokens=60)).stats.k_per_round)
+        probes = [i for i, k in enumerate(first) if k > 0]
+        assert probes == [16, 49], first  # waits of 16, then 32 target-only rounds
+        prior = stack.orch.engine.prior_for("any")
+        since = len(first) - 1 - probes[-1]  # the pair's rounds since it last drafted
+        assert prior.failed_probes == 2 and prior.rounds_since_draft == since
+        reply = await stack.generate(prompt_ids=[5, 6, 8], max_new_tokens=60)
+        assert list(reply.token_ids) == reference_greedy([5, 6, 8], 60)
+        later = list(reply.stats.k_per_round)
+        # The next probe is due 64 rounds after the pair's last one (a fresh back-off would have probed
+        # 16 rounds after it, and again 32 later).
+        assert [i for i, k in enumerate(later) if k > 0] == [64 - since], (since, later)
     finally:
         await stack.close()
 

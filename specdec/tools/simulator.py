@@ -23,7 +23,6 @@ steady-state rounds only (no prompt prefill).
 """
 from __future__ import annotations
 
-import copy
 import random
 import statistics
 from collections.abc import Callable, Sequence
@@ -179,12 +178,13 @@ class SimResult:
 
 def simulate(replica: list[tuple[list[int], list[float]]], timing: TimingFit, make: Callable[[], KPolicy],
              min_k: int, max_k: int, min_draft_prob: float) -> SimResult:
-    """Run one policy over every episode of a replica; the session prior carries across episodes
-    as it does in the orchestrator."""
+    """Run one policy over every episode of a replica; the pair's prior carries across episodes as
+    in the orchestrator: it learns from every round, a new session starts from it, and at the end of
+    a turn it takes over the session's timings and probe back-off."""
     result = SimResult()
-    prior = SessionStats()
+    prior = SessionStats().as_pair_prior()
     for match, conf in replica:
-        stats = copy.deepcopy(prior)
+        stats = prior.new_session()
         policy = make()
         n, j = len(match), 0
         while j < n:
@@ -203,8 +203,9 @@ def simulate(replica: list[tuple[list[int], list[float]]], timing: TimingFit, ma
             stats.timing.observe_verify(drafted, timing.verify_ms(drafted))
             stats.timing.observe_rtt(timing.rpc_overhead_ms)
             stats.observe_round(drafted, accepted, round_ms)
+            prior.observe_round(drafted, accepted, round_ms)
             produced = min(accepted + 1, n - j)
             j += produced
             result.add(SimResult(produced, round_ms, 1, drafted, accepted))
-        prior = stats
+        stats.carry_turn_into(prior, policy_chose_k=getattr(policy, "name", "") == "cost")
     return result
