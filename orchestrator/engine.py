@@ -19,7 +19,7 @@ from orchestrator.api import EngineLimits, GenerateParams, GenerationEvent, Gene
 from orchestrator.backends import DraftBackend, TargetBackend, WorkerDescription
 from orchestrator.config import SpeculationConfig
 from orchestrator.guard import TARGET_ONLY, PairGuard
-from orchestrator.kpolicy import SessionStats, TargetLoad
+from orchestrator.kpolicy import CostModelPolicy, SessionStats, TargetLoad
 from orchestrator.record import RoundObserver, RoundRecord
 from orchestrator.rounds import Deadline, DraftHealth, Round, Workers
 from orchestrator.sessions import OrchestratorSession, OrchestratorSessions
@@ -272,7 +272,7 @@ class GenerationEngine:
             await round_.settle()  # no pre-draft outlives its turn
         stats.total_ms = (time.perf_counter() - started) * 1000.0
         # Rounds not forced off by the guard: the policy chose their k.
-        session.stats.carry_turn_into(prior, policy.name == "cost" and stats.rounds > stats.guard_off_rounds)
+        session.stats.carry_turn_into(prior, isinstance(policy, CostModelPolicy) and stats.rounds > stats.guard_off_rounds)
         if session.messages and params.messages is not None:
             session.messages.append({"role": "assistant", "content": stop.full_text})
         yield GenerationEvent(record.text_delta, list(record.emitted), record.finish, stats, label)

@@ -240,15 +240,16 @@ class SessionStats:
     def as_pair_prior(self) -> "SessionStats":
         """A copy to serve as a fresh worker pair's prior: its acceptance averages over many rounds,
         and its starting value (a guess) gives way to the pair's first rounds."""
-        prior = copy.deepcopy(self)
-        prior.acceptance = Ewma(PAIR_ACCEPTANCE_ALPHA, self.acceptance.value, prior_weight=PAIR_GUESS_WEIGHT)
-        return prior
+        return self._copy_with(Ewma(PAIR_ACCEPTANCE_ALPHA, self.acceptance.value, prior_weight=PAIR_GUESS_WEIGHT))
 
     def new_session(self) -> "SessionStats":
         """A new session's statistics, from this pair prior: its value, a session's pace."""
-        stats = copy.deepcopy(self)
-        stats.acceptance = Ewma(SESSION_ACCEPTANCE_ALPHA, self.acceptance.value)
-        return stats
+        return self._copy_with(Ewma(SESSION_ACCEPTANCE_ALPHA, self.acceptance.value))
+
+    def _copy_with(self, acceptance: Ewma) -> "SessionStats":
+        copied = copy.deepcopy(self)
+        copied.acceptance = acceptance
+        return copied
 
     def carry_turn_into(self, prior: "SessionStats", policy_chose_k: bool) -> None:
         """At the end of a turn, what the pair's prior takes over from this session (its acceptance,

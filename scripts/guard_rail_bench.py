@@ -69,13 +69,6 @@ def slow_down(model: torch.nn.Module, ms: float) -> None:
     model.register_forward_pre_hook(lambda module, args: time.sleep(ms / 1000.0))
 
 
-def delayed(call, ms: float):  # type: ignore[no-untyped-def]
-    async def wait_then_call(request, context):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(ms / 1000.0)
-        return await call(request, context)
-    return wait_then_call
-
-
 async def run_scenario(scenario: Scenario, tokens: int, reps: int, calibration_s: float) -> dict:
     target_loaded = load_model("tiny:seed=0")
     draft_loaded = load_model(scenario.draft_ref)
@@ -87,7 +80,7 @@ async def run_scenario(scenario: Scenario, tokens: int, reps: int, calibration_s
     draft, target = DraftServicer(draft_core), TargetServicer(target_core)
     if scenario.draft_delay_ms:
         for name in scenario.delayed_calls:
-            setattr(draft, name, delayed(getattr(draft, name), scenario.draft_delay_ms))
+            setattr(draft, name, grpc_util.delayed_call(getattr(draft, name), scenario.draft_delay_ms))
     draft_handle = await grpc_util.start_server(lambda s: register_draft(draft, s), [DRAFT_SERVICE])
     target_handle = await grpc_util.start_server(lambda s: register_target(target, s), [TARGET_SERVICE])
     cfg = OrchestratorConfig(f"127.0.0.1:{draft_handle.port}", f"127.0.0.1:{target_handle.port}", "tiny:seed=0",

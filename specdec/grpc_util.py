@@ -134,6 +134,15 @@ class ServerHandle:
         await self.server.stop(grace_s)
 
 
+def delayed_call(call: Callable[[Any, Any], Awaitable[Any]], ms: float) -> Callable[[Any, Any], Awaitable[Any]]:
+    """A servicer method that waits `ms` before it serves: a worker on a far node, emulated on
+    loopback by benchmarks and tests (set on the servicer before it is registered)."""
+    async def wait_then_call(request: Any, context: Any) -> Any:
+        await asyncio.sleep(ms / 1000.0)
+        return await call(request, context)
+    return wait_then_call
+
+
 async def start_server(register: Callable[[grpc.aio.Server], None], service_names: list[str],
                        host: str = "127.0.0.1", port: int = 0,
                        credentials: grpc.ServerCredentials | None = None,

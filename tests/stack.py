@@ -1,7 +1,6 @@
 """Start real gRPC servers (draft, target, orchestrator) on 127.0.0.1:0 inside the test's event loop."""
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +41,7 @@ async def start_worker(role: str, ref: str, limits: StoreLimits = StoreLimits(),
     if call_delay_ms:
         for name in ("GetInfo", "EndSession", "Propose", "Verify"):
             if hasattr(servicer, name):
-                setattr(servicer, name, _delayed(getattr(servicer, name), call_delay_ms))
+                setattr(servicer, name, grpc_util.delayed_call(getattr(servicer, name), call_delay_ms))
     if role == "draft":
         handle = await grpc_util.start_server(lambda s: register_draft(servicer, s), [DRAFT_SERVICE], port=port,
                                               credentials=credentials)
@@ -50,13 +49,6 @@ async def start_worker(role: str, ref: str, limits: StoreLimits = StoreLimits(),
         handle = await grpc_util.start_server(lambda s: register_target(servicer, s), [TARGET_SERVICE], port=port,
                                               credentials=credentials)
     return handle, servicer
-
-
-def _delayed(call: Any, ms: float) -> Any:
-    async def wait_then_call(request: Any, context: Any) -> Any:
-        await asyncio.sleep(ms / 1000.0)
-        return await call(request, context)
-    return wait_then_call
 
 
 @dataclass

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.guard import TARGET_ONLY
-from orchestrator.kpolicy import KPolicy, SessionStats, draft_forwards
+from orchestrator.kpolicy import CostModelPolicy, KPolicy, SessionStats, draft_forwards
 
 
 @dataclass
@@ -207,5 +207,5 @@ def simulate(replica: list[tuple[list[int], list[float]]], timing: TimingFit, ma
             produced = min(accepted + 1, n - j)
             j += produced
             result.add(SimResult(produced, round_ms, 1, drafted, accepted))
-        stats.carry_turn_into(prior, policy_chose_k=getattr(policy, "name", "") == "cost")
+        stats.carry_turn_into(prior, policy_chose_k=isinstance(policy, CostModelPolicy))
     return result
