@@ -16,6 +16,8 @@ class ProposeParams:
     k: int
     sampling: SamplingConfig
     min_draft_prob: float = 0.0
+    slot: int = 0                  # which of the session's cache slots the call runs on (0: its own)
+    fork_from: int | None = None   # first copy that slot's committed prefix into `slot` (a branch)
 
 
 @dataclass
@@ -24,7 +26,9 @@ class ProposeResult:
     q: list[SparseDist] = field(default_factory=list)
     token_probs: list[float] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)
+    alternatives: list[tuple[int, float]] = field(default_factory=list)  # runner-up (token, prob) per draft
     cache_len: int = 0
+    slot: int = 0                  # the slot the call ran on
     stats: CallStats = field(default_factory=CallStats)
 
 
@@ -48,10 +52,11 @@ class DraftEngine:
             params.sampling.validate()
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
-        result = ProposeResult()
+        result = ProposeResult(slot=params.slot)
         stats = result.stats
         with self.core.timed() as timer:
-            session, logits = yield from self.core.begin_steps(params.session_id, params.commit, (), stats)
+            session, logits = yield from self.core.begin_steps(params.session_id, params.commit, (), stats,
+                                                               params.slot, params.fork_from)
             try:
                 # The commit's forward is catch-up (prefill, or the tokens the target just produced);
                 # timed apart so the orchestrator sees the per-token drafting cost on its own.
@@ -71,10 +76,10 @@ class DraftEngine:
                 except StopIteration as stop:
                     draft = stop.value
                 result.tokens, result.q, result.token_probs = draft.tokens, draft.q, draft.token_probs
-                result.confidences = draft.confidences
+                result.confidences, result.alternatives = draft.confidences, draft.alternatives
                 stats.draft_steps = draft.steps
                 result.cache_len = len(session.tokens)
             finally:
-                self.core.release(params.session_id)
+                self.core.release(params.session_id, params.slot)
         stats.compute_ms = timer.ms
         return result

@@ -5,7 +5,7 @@ import grpc
 
 from draft_worker.engine import DraftEngine, ProposeParams
 from specdec import grpc_util
-from specdec.contract import Commit, SamplingConfig
+from specdec.contract import Commit, SamplingConfig, slot_key
 from specdec.scheduler import BatchLimits
 from specdec.v1 import worker_pb2, worker_pb2_grpc
 from specdec.worker_core import WorkerCore
@@ -23,11 +23,16 @@ class DraftServicer(WorkerServicerBase, worker_pb2_grpc.DraftWorkerServicer):
                       context: grpc.aio.ServicerContext) -> worker_pb2.ProposeResponse:
         params = ProposeParams(session_id=request.session_id, commit=Commit.from_pb(request.commit),
                                k=request.k, sampling=SamplingConfig.from_pb(request.sampling),
-                               min_draft_prob=request.min_draft_prob)
-        result = await self.run_call(context, params.session_id, lambda: self.engine.propose_steps(params))
+                               min_draft_prob=request.min_draft_prob, slot=request.slot,
+                               fork_from=request.fork_from if request.HasField("fork_from") else None)
+        # Each slot is a cache of its own: a branch's call runs beside the session's own.
+        result = await self.run_call(context, slot_key(params.session_id, params.slot),
+                                     lambda: self.engine.propose_steps(params))
         return worker_pb2.ProposeResponse(tokens=result.tokens, q=[q.to_pb() for q in result.q],
                                           token_probs=result.token_probs, confidences=result.confidences,
-                                          cache_len=result.cache_len,
+                                          alt_tokens=[t for t, _ in result.alternatives],
+                                          alt_probs=[p for _, p in result.alternatives],
+                                          cache_len=result.cache_len, slot=result.slot,
                                           timing=result.stats.to_pb())
 
 

@@ -47,6 +47,7 @@ class GenerationStats:
     predraft_hits: int = 0
     predraft_misses: int = 0
     predraft_saved_ms: float = 0.0
+    predraft_branch_hits: int = 0   # hits whose drafts came from a branch (a correction guessed right)
     guard_off_rounds: int = 0
 
     @property
@@ -84,6 +85,7 @@ class GenerationStats:
             self.predraft_hits += int(record.predraft_hit)
             self.predraft_misses += int(not record.predraft_hit)
             self.predraft_saved_ms += record.predraft_saved_ms
+        self.predraft_branch_hits += int(record.predraft_hit is True and record.predraft_branch_hit is True)
         if record.index == 1:
             # What the target really reused of this turn's prompt (0 after a re-prefill).
             self.cached_prompt_tokens = record.target_cached

@@ -21,6 +21,10 @@ class DraftReply:
     prefilled_tokens: int
     q_payload: Any = None           # opaque, forwarded to the target
     confidences: list[float] = field(default_factory=list)  # per position considered (see the proto)
+    # The draft's runner-up (token, probability) at each drafted position: guesses of the target's
+    # correction token, for pre-drafting on a branch (pipelined rounds).
+    alternatives: list[tuple[int, float]] = field(default_factory=list)
+    slot: int = 0                   # the slot the worker ran the call on (an older worker: always 0)
     catchup_ms: float = 0.0         # part of compute_ms that applied the commit
     draft_steps: int = 0            # drafting forwards after the catch-up
     bytes_sent: int = 0
@@ -32,7 +36,7 @@ class DraftReply:
         token (the draft's guess of the bonus token)."""
         q = self.q_payload
         return dataclasses.replace(self, tokens=self.tokens[1:], token_probs=self.token_probs[1:],
-                                   confidences=self.confidences[1:],
+                                   confidences=self.confidences[1:], alternatives=self.alternatives[1:],
                                    q_payload=list(q)[1:] if q is not None and len(q) else q)
 
 
@@ -61,11 +65,13 @@ class WorkerDescription:
     eos_token_ids: list[int] = field(default_factory=list)
     tokenizer_fingerprint: str = ""
     forward_costs: CostCurve = CostCurve()  # measured by the worker at startup (may be empty)
+    branch_slots: int = 0                   # a draft's branch slots per session (pipelined branches)
 
 
 class DraftBackend(Protocol):
     async def propose(self, session_id: str, commit: Commit, k: int, sampling: SamplingConfig,
-                      min_draft_prob: float, timeout_s: float | None) -> DraftReply: ...
+                      min_draft_prob: float, timeout_s: float | None, slot: int = 0,
+                      fork_from: int | None = None) -> DraftReply: ...
 
     async def end_session(self, session_id: str) -> bool: ...
 

@@ -87,7 +87,7 @@ class _WorkerClient:
         info = await self._call(self._stub.GetInfo, common_pb2.GetInfoRequest(), timeout_s)
         return WorkerDescription(info.role, info.model_ref, info.vocab_size, info.max_context,
                                  list(info.eos_token_ids), info.tokenizer_fingerprint,
-                                 CostCurve.from_pb(info.forward_costs))
+                                 CostCurve.from_pb(info.forward_costs), info.branch_slots)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -101,9 +101,12 @@ class GrpcDraftBackend(_WorkerClient):
         self._stub = worker_pb2_grpc.DraftWorkerStub(self.channel)
 
     async def propose(self, session_id: str, commit: Commit, k: int, sampling: SamplingConfig,
-                      min_draft_prob: float, timeout_s: float | None) -> DraftReply:
+                      min_draft_prob: float, timeout_s: float | None, slot: int = 0,
+                      fork_from: int | None = None) -> DraftReply:
         request = worker_pb2.ProposeRequest(session_id=session_id, commit=commit.to_pb(), k=k,
-                                            sampling=sampling.to_pb(), min_draft_prob=min_draft_prob)
+                                            sampling=sampling.to_pb(), min_draft_prob=min_draft_prob, slot=slot)
+        if fork_from is not None:
+            request.fork_from = fork_from
         start = time.perf_counter()
         reply = await self._call(self._stub.Propose, request, timeout_s)
         return DraftReply(tokens=list(reply.tokens), token_probs=list(reply.token_probs),
@@ -111,6 +114,7 @@ class GrpcDraftBackend(_WorkerClient):
                           prefilled_tokens=reply.timing.prefilled_tokens, q_payload=reply.q,
                           catchup_ms=reply.timing.catchup_ms, draft_steps=reply.timing.draft_steps,
                           confidences=list(reply.confidences),
+                          alternatives=list(zip(reply.alt_tokens, reply.alt_probs)), slot=reply.slot,
                           bytes_sent=request.ByteSize(), bytes_received=reply.ByteSize(),
                           wall_ms=(time.perf_counter() - start) * 1000.0)
 

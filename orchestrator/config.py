@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args
 
 from orchestrator.guard import GuardSettings
 from orchestrator.kpolicy import BanditPolicy, CostModelPolicy, FixedPolicy, HeuristicPolicy, KPolicy
-from specdec.contract import MAX_K
+from specdec.contract import MAX_BRANCH_SLOTS, MAX_K
 from specdec.errors import InvalidRequest
 
 PolicyName = Literal["fixed", "heuristic", "cost", "bandit"]
@@ -36,6 +36,7 @@ class SpeculationOverride:
     fixed_k: int | None = None
     min_draft_prob: float | None = None
     pipeline: bool | None = None
+    pipeline_branches: int | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,13 @@ class SpeculationConfig:
         "output is even the serial one token for token. Pays "
         "where draft and target run on different devices or nodes; off by default because on one "
         "shared CPU the two forwards compete for the same cores. Per request: `speculation.pipeline`."))
+    pipeline_branches: int = field(default=2, metadata=_doc(
+        "Pipelined rounds: besides the pre-draft that assumes full acceptance, pre-draft on up to this "
+        "many branches for the likeliest rejections (the draft's runner-up token taken as the target's "
+        f"correction), each in a slot of the draft's session forked from its cache (0 = off, at most "
+        f"{MAX_BRANCH_SLOTS}). A branch that guessed right supplies the next round's drafts at once. "
+        "Lossless. Costs draft compute during the verify and up to this many extra copies of a "
+        "session's draft KV cache. Per request: `speculation.pipeline_branches`."))
     overlap_prefill: bool = field(default=False, metadata=_doc(
         "Prefill overlap: a turn's first round runs target-only while the draft prefills the new prompt "
         "beside it and pre-drafts round 2 (its first token a guess of the target's), so the first token "
@@ -105,6 +113,10 @@ class SpeculationConfig:
             raise SpeculationConfigError(f"min_draft_prob must be in [0, 1], got {self.min_draft_prob}")
         if not 1 <= self.heuristic_initial_k <= MAX_K:
             raise SpeculationConfigError(f"heuristic_initial_k must be in [1, {MAX_K}], got {self.heuristic_initial_k}")
+        if isinstance(self.pipeline_branches, bool) or not isinstance(self.pipeline_branches, int) \
+                or not 0 <= self.pipeline_branches <= MAX_BRANCH_SLOTS:
+            raise SpeculationConfigError(f"pipeline_branches must be an integer in [0, {MAX_BRANCH_SLOTS}], "
+                                         f"got {self.pipeline_branches!r}")
         for name in ("pipeline", "overlap_prefill", "guard"):
             if not isinstance(getattr(self, name), bool):
                 raise SpeculationConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -151,6 +163,8 @@ class SpeculationConfig:
             merged = replace(merged, min_draft_prob=override.min_draft_prob)
         if override.pipeline is not None:
             merged = replace(merged, pipeline=override.pipeline)
+        if override.pipeline_branches is not None:
+            merged = replace(merged, pipeline_branches=override.pipeline_branches)
         return merged.validate()
 
     def with_values(self, values: dict[str, Any], source: str) -> "SpeculationConfig":
@@ -178,9 +192,10 @@ class SpeculationConfig:
         if self.policy == "heuristic":
             return HeuristicPolicy(initial_k=self.heuristic_initial_k)
         if self.policy == "cost":
-            return CostModelPolicy(probe_every=self.probe_every, pipelined=self.pipeline)
+            return CostModelPolicy(probe_every=self.probe_every, pipelined=self.pipeline,
+                                   branches=self.pipeline_branches)
         return BanditPolicy(exploration=self.bandit_exploration, prior_weight=self.bandit_prior_weight,
-                            pipelined=self.pipeline)
+                            pipelined=self.pipeline, branches=self.pipeline_branches)
 
     def to_toml(self) -> str:
         lines = ["[speculation]"]

@@ -12,6 +12,7 @@ import logging
 import random
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -54,8 +55,9 @@ class GenerationEngine:
         self.target = target
         self.tokenizer = tokenizer
         self.target_info = target_info
-        # A draft with a shorter context than the target cannot draft past it: those rounds run target-only.
+        # A draft cannot draft past its context (target-only rounds); branches need its branch slots.
         self.draft_max_context = draft_info.max_context if draft_info else target_info.max_context
+        self.draft_branch_slots = draft_info.branch_slots if draft_info else 0
         self.speculation = speculation.validate()  # fail fast on a bad server default
         self.limits = limits
         # Server-wide observers of every round (metrics, traces).
@@ -75,7 +77,8 @@ class GenerationEngine:
         self.sessions = OrchestratorSessions(limits.max_sessions, limits.session_ttl_s, self._end_on_workers)
         self._background: set[asyncio.Task[Any]] = set()
         self.workers = Workers(draft, target, limits.draft_timeout_s, limits.target_retry_s, self._draft_health_for,
-                               lambda: self.draft_degraded, self._report_draft_health)
+                               lambda: self.draft_degraded, self._report_draft_health,
+                               lambda: setattr(self, "draft_branch_slots", 0))
 
     # ------------------------------------------------------------------ validation
     def validate(self, params: GenerateParams) -> SpeculationConfig:
@@ -96,9 +99,8 @@ class GenerationEngine:
         if params.messages is not None:
             if not params.messages:
                 raise InvalidRequest("messages is empty")
-            for role, _ in params.messages:
-                if role not in ("system", "user", "assistant", "tool"):
-                    raise InvalidRequest(f"unknown message role {role!r}")
+            if bad_roles := [r for r, _ in params.messages if r not in ("system", "user", "assistant", "tool")]:
+                raise InvalidRequest(f"unknown message role {bad_roles[0]!r}")
         if params.session_id is not None:
             validate_session_id(params.session_id)
         if params.max_new_tokens <= 0:
@@ -117,18 +119,21 @@ class GenerationEngine:
 
     # ------------------------------------------------------------------ sessions
     def _end_on_workers(self, session: OrchestratorSession) -> None:
-        async def end() -> None:
-            for backend in (self.draft, self.target):
-                try:
-                    await backend.end_session(session.session_id)
-                except SpecdecError as exc:
-                    log.debug("end_session on a worker failed: %s", exc)
         try:
-            task = asyncio.get_running_loop().create_task(end())
-        except RuntimeError:
+            task = asyncio.get_running_loop().create_task(self._end_on_backends(session.session_id, logging.DEBUG))
+        except RuntimeError:  # no loop: nothing to end them with
             return
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _end_on_backends(self, session_id: str, failure_level: int) -> bool:
+        existed = False
+        for backend in (self.draft, self.target):
+            try:
+                existed = await backend.end_session(session_id) or existed
+            except SpecdecError as exc:
+                log.log(failure_level, "end_session %s on a worker: %s", session_id, exc)
+        return existed
 
     async def end_session(self, session_id: str) -> bool:
         session = self.sessions.get(session_id)
@@ -137,13 +142,7 @@ class GenerationEngine:
             # round re-create worker caches for a session that no longer exists.
             async with session.lock:
                 self.sessions.remove(session_id)
-        existed = session is not None
-        for backend in (self.draft, self.target):
-            try:
-                existed = await backend.end_session(session_id) or existed
-            except SpecdecError as exc:
-                log.warning("end_session %s: %s", session_id, exc)
-        return existed
+        return await self._end_on_backends(session_id, logging.WARNING) or session is not None
 
     @staticmethod
     def _replica(backend: Any, role: str, session_id: str) -> str:
@@ -240,12 +239,13 @@ class GenerationEngine:
         if prompt_len + params.max_new_tokens > context:
             raise InvalidRequest(f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
                                  f"exceeds the model context of {context}")
-        policy = spec.make_policy()
+        spec = replace(spec, pipeline_branches=min(spec.pipeline_branches, self.draft_branch_slots))
+        policy = spec.make_policy()  # (the policy counts only branches the draft can run)
         stop = StopConditions.for_turn(self.target_info.eos_token_ids, params.max_new_tokens, context - prompt_len,
                                        params.stop, self.tokenizer.decode)
         round_ = Round(self.workers, session, SamplingConfig(params.temperature, params.top_k, params.top_p, seed),
-                       deadline, stop, spec.min_draft_prob, policy.name, pipeline=spec.pipeline,
-                       max_k=spec.max_k, overlap_prefill=spec.overlaps_prefill)
+                       deadline, stop, spec.min_draft_prob, policy.name, pipeline=spec.pipeline, max_k=spec.max_k,
+                       overlap_prefill=spec.overlaps_prefill, branches=spec.pipeline_branches)
         stats = GenerationStats(seed=seed, prompt_tokens=prompt_len)
         prior = self.prior_for(session.session_id)
         guard = self.guard_for(session.session_id) if spec.guarded else None
@@ -283,9 +283,9 @@ def seeded_stats(draft: WorkerDescription | None, target: WorkerDescription, max
     drafting one token one draft forward over 1 token, as the workers measured them at startup."""
     stats = SessionStats()
     verify = {k: ms for k in range(0, max_k + 1) if (ms := target.forward_costs.ms(k + 1)) is not None}
-    draft_ms = draft.forward_costs.ms(1) if draft is not None else None
-    stats.timing.seed(draft_ms, verify)
+    stats.timing.seed(draft.forward_costs.ms(1) if draft is not None else None, verify)
     stats.timing.load = TargetLoad(target.forward_costs.rows_curve())
+    stats.timing.draft_curve = draft.forward_costs.rows_curve() if draft is not None else ()
     return stats
 
 

@@ -130,6 +130,17 @@ class TimingModel:
     # session in the batch chose the same k: the cost of the rows it adds to everyone's forward is
     # then part of its own, and at saturation no k > 0 pays.
     load: TargetLoad = field(default_factory=TargetLoad)
+    # The draft's forward cost over token rows (its startup calibration): what the rows of branch
+    # pre-drafts add to each of its forwards (flat on a GPU, growing on a CPU).
+    draft_curve: tuple[tuple[int, float], ...] = ()
+
+    def draft_rows_factor(self, rows: int) -> float:
+        """A draft forward over `rows` rows against one row. Unmeasured: rows (as if linear), so
+        that without a curve branches are taken only where the draft has that much time to spare."""
+        one, many = curves.extended(self.draft_curve, 1), curves.extended(self.draft_curve, rows)
+        if not one or many is None:
+            return float(rows)
+        return max(1.0, many / one)
 
     def load_factor(self, k: int, batch: float | None = None) -> float:
         """How much a verify at k costs at the current load relative to alone: T(B(k+1)) / T(k+1)."""
@@ -228,6 +239,9 @@ class SessionStats:
     # Pipelining: how often the draft's guess of the bonus token is the target's, after a fully
     # accepted round (the second condition of a pre-draft hit; the first is accepting all k).
     bonus_match: Ewma = field(default_factory=lambda: Ewma(0.2, 0.5))
+    # Branches: how often, after a rejection at a position a branch was made for, the draft's
+    # runner-up there was the target's correction (a branch hit).
+    branch_match: Ewma = field(default_factory=lambda: Ewma(0.2, 0.5))
     last_k: int = 0
     last_accepted: int = 0
     rounds: int = 0
@@ -275,6 +289,8 @@ class SessionStats:
         if record.predraft_hit is not None and self.last_k > 0 and self.last_accepted == self.last_k:
             # The previous round accepted everything, so hit or miss was the bonus guess's doing.
             self.bonus_match.update(1.0 if record.predraft_hit else 0.0)
+        if record.predraft_branch_hit is not None:
+            self.branch_match.update(1.0 if record.predraft_branch_hit else 0.0)
         self.observe_round(record.drafted, record.accepted, record.round_ms if record.steady else None)
 
     def observe_round(self, k: int, accepted: int, round_ms: float | None = None) -> None:
@@ -291,6 +307,22 @@ class SessionStats:
             return
         self.rounds_since_draft = 0
         self.acceptance.update(per_token_acceptance(k, accepted))
+
+
+def branch_budget(timing: TimingModel, k: int, depth: int, most: int) -> int:
+    """How many branch pre-drafts a pipelined round can afford: the most b <= `most` for which the
+    main pre-draft (depth tokens) with b branches beside it, each of its forwards then b + 1 rows,
+    still ends within the verify it overlaps (its compute + RTT). Branches then use only time the
+    draft would spend idle, and never delay a hit of the main pre-draft. None while the pair serves
+    other sessions too (target batch > 1.5): their calls need the draft's batch and queue places."""
+    if most <= 0 or k <= 0 or timing.load.target_batch.value > 1.5:
+        return 0  # (with other sessions on the pair, the draft's batch places are theirs)
+    verify_wall = timing.verify_ms(k) + timing.rtt_ms.value
+    per_token = timing.draft_ms_per_token.value
+    for b in range(most, 0, -1):
+        if depth * per_token * timing.draft_rows_factor(b + 1) + timing.draft_rtt_ms.value <= verify_wall:
+            return b
+    return 0
 
 
 def per_token_acceptance(drafted: int, accepted: int) -> float:
@@ -358,9 +390,12 @@ class CostModelPolicy:
     guess of the bonus right, measured as b) the next round's drafts are ready when its verify may
     start, having run during this verify; the round then costs t_verify + rtt + whatever of the
     pre-draft's (k+1) draft tokens outlasted the verify. Otherwise it costs what a serial round does.
+    With `branches` B, a rejection at one of the first B positions (the likeliest ones, about) also
+    hits when the branch's guess of the correction was right, measured as m: h += (1 - a^min(B, k)) * m.
     """
     probe_every: int = 16
     pipelined: bool = False
+    branches: int = 0
     name: str = "cost"
 
     def next_k(self, stats: SessionStats, min_k: int, max_k: int) -> int:
@@ -377,13 +412,13 @@ class CostModelPolicy:
     def _argmax(self, stats: SessionStats, min_k: int, max_k: int) -> int:
         best_k, best_rate = min_k, -1.0
         for k in range(min_k, max_k + 1):
-            rate = self.tokens_per_ms(stats, k, self.pipelined)
+            rate = self.tokens_per_ms(stats, k, self.pipelined, self.branches)
             if rate > best_rate + 1e-12:
                 best_k, best_rate = k, rate
         return best_k
 
     @staticmethod
-    def tokens_per_ms(stats: SessionStats, k: int, pipelined: bool = False) -> float:
+    def tokens_per_ms(stats: SessionStats, k: int, pipelined: bool = False, branches: int = 0) -> float:
         t = stats.timing
         draft_ms, verify_ms, rtt = k * t.draft_ms_per_token.value, t.verify_ms(k), t.rtt_ms.value
         draft_rtt = t.draft_rtt_ms.value
@@ -393,7 +428,8 @@ class CostModelPolicy:
         if pipelined and k > 0:
             # Hit: the pre-draft (k+1 tokens) ran during the previous verify; the round waits for
             # whichever of the two calls ends last: max(draft, verify) + rtt.
-            hit = stats.acceptance.value ** k * stats.bonus_match.value
+            a, b = stats.acceptance.value, branch_budget(t, k, k + 2, branches)  # the branches it would run
+            hit = a ** k * stats.bonus_match.value + (1.0 - a ** min(b, k)) * stats.branch_match.value
             overhang = max(0.0, draft_ms + t.draft_ms_per_token.value + draft_rtt - verify_ms - rtt)
             cost = hit * (verify_ms + rtt + overhang) + (1.0 - hit) * serial
         return expected_tokens(stats.acceptance.value, k) / max(cost, 1e-6)
@@ -412,11 +448,12 @@ class BanditPolicy:
     exploration: float = 0.3
     prior_weight: float = 2.0
     pipelined: bool = False
+    branches: int = 0
     name: str = "bandit"
 
     def next_k(self, stats: SessionStats, min_k: int, max_k: int) -> int:
         arms = range(min_k, max_k + 1)
-        prior = {k: CostModelPolicy.tokens_per_ms(stats, k, self.pipelined) for k in arms}
+        prior = {k: CostModelPolicy.tokens_per_ms(stats, k, self.pipelined, self.branches) for k in arms}
         scale = max(prior.values()) or 1e-9
         total = sum(stats.arms.get(k, [0, 0])[0] for k in arms) + self.prior_weight * len(arms)
         best_k, best_score = min_k, -math.inf

@@ -41,6 +41,10 @@ class RoundRecord:
     # came from the pre-draft made during the previous verify (its draft time was hidden).
     predraft_hit: bool | None = None
     predraft_saved_ms: float = 0.0  # draft wall time this round did not wait for (hits only)
+    # Branches: None when no branch was made for the previous round's rejection position (or it
+    # failed); True when one was and its runner-up was the target's correction (its drafts are this
+    # round's, unless this round runs k = 0); False when its guess was wrong.
+    predraft_branch_hit: bool | None = None
     draft_wall_ms: float = 0.0      # the draft call as the orchestrator saw it (RPC + compute)
     # The target's load during the verify: sessions and rows in its forward, calls waiting for a slot.
     target_batch: float = 1.0

@@ -17,6 +17,14 @@ sampled from the q that is sent, so the round stays lossless; with a float32 dra
 very tokens a serial round would (docs/pipelining.md). A rejection cancels the pre-draft; on a miss
 the next commit crops the draft's cache back to the canonical prefix.
 
+Branches (`branches` > 0, with pipelining): beside that pre-draft, the draft also pre-drafts for
+the likeliest rejections. At a position j where the draft's runner-up token is likely to be the
+target's correction, a branch slot of the draft's session is forked from the session's cache at
+canonical + drafts[:j] and drafts after the runner-up. If the verify rejects at j and corrects to
+that token, the branch holds the next round's drafts and becomes the session's draft slot. Which
+branch is used depends only on the verify's outcome, never on the branch's own draws, so the drafts
+a round verifies are still drawn from q given exactly its prefix: lossless as before.
+
 Over 300 lines: the serial calls, their recovery paths and the pre-draft share one round's state
 (the session's views, the deadline, the draft's health); apart, one protocol would span three files.
 """
@@ -32,12 +40,13 @@ from typing import Any
 
 from orchestrator.backends import DraftBackend, DraftReply, TargetBackend, VerifyReply
 from orchestrator.guard import GuardTicket, PairGuard
+from orchestrator.kpolicy import branch_budget
 from orchestrator.record import RoundRecord
-from orchestrator.sessions import OrchestratorSession
+from orchestrator.sessions import OrchestratorSession, WorkerView
 from orchestrator.stopping import StopConditions
 from specdec.contract import SamplingConfig
 from specdec.errors import (CacheMismatch, CapacityExceeded, DeadlineExceeded, InvalidRequest, SessionNotFound,
-                            WorkerInternalError, WorkerUnavailable)
+                            SpecdecError, WorkerInternalError, WorkerUnavailable)
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +103,7 @@ class Workers:
     draft_health_for: Callable[[str], DraftHealth]
     draft_degraded: Callable[[], bool]
     report_draft_health: Callable[[bool], Awaitable[None]]
+    disable_branches: Callable[[], None] = lambda: None  # the draft turned out to have no branch slots
 
 
 @dataclass
@@ -104,6 +114,18 @@ class _PreDraft:
     task: "asyncio.Task[DraftReply | None]"
     started: float
     rejected: bool = False          # the verify rejected a draft: the assumption failed, call cancelled
+
+
+@dataclass
+class _Branch:
+    """A pre-draft on a branch slot, for the outcome 'rejected at `position`, corrected to `token`'."""
+    assumed: list[int]              # canonical + drafts[:position] + [token]: the prefix it drafts after
+    position: int                   # the rejection it assumes (index into the round's drafts)
+    token: int                      # the correction it assumes (the draft's runner-up there)
+    slot: int
+    calls: "_Calls"
+    task: "asyncio.Task[DraftReply | None]"
+    started: float
 
 
 @dataclass
@@ -122,9 +144,12 @@ class Round:
 
     def __init__(self, workers: Workers, session: OrchestratorSession, sampling: SamplingConfig,
                  deadline: Deadline, stop: StopConditions, min_draft_prob: float, policy_name: str,
-                 pipeline: bool = False, max_k: int = 8, overlap_prefill: bool = False) -> None:
+                 pipeline: bool = False, max_k: int = 8, overlap_prefill: bool = False, branches: int = 0) -> None:
         self.workers = workers
         self.pipeline = pipeline
+        self.branches = branches if pipeline else 0
+        self._branches: list[_Branch] = []
+        self._hit_shared_draft = False  # this round's drafts came from a pre-draft made beside branches
         self.overlap_prefill = overlap_prefill
         self.max_k = max_k
         self._ahead: _PreDraft | None = None
@@ -155,7 +180,7 @@ class Round:
         canonical = self.session.tokens
         position = len(canonical)
         calls = _Calls()
-        reply, hit, saved_ms = await self._take_predraft(k, calls)
+        reply, hit, saved_ms, branch_hit = await self._take_predraft(k, calls)
         # After the pre-draft settled: a pre-draft that found the draft down put it in backoff.
         use_draft = k > 0 and self.workers.draft_health_for(self.session.session_id).usable()
         if (reply is None and use_draft and self.overlap_prefill and self.index == 1 and self.stop.remaining >= 3
@@ -178,11 +203,16 @@ class Round:
             # the bonus guess); the next round uses at most its own k of them.
             depth = min(len(drafts) + 1, self.max_k, self.stop.remaining - len(drafts) - 2) + 1
             self._start_predraft(canonical + drafts, depth)
+            if self.branches and reply is not None:
+                self._start_branches(canonical, drafts, reply)
         verify = await self._verify(drafts, reply.q_payload if reply else None, calls)
         if self._ahead is not None and verify.accepted_len < len(drafts):
             # A rejection: the pre-draft's assumption failed. Stop it now rather than wait for it.
             self._ahead.rejected = True
             self._ahead.task.cancel()
+        for branch in self._branches:  # keep only the branch whose guess came true (if any)
+            if (branch.position, branch.token) != (verify.accepted_len, verify.next_token):
+                branch.task.cancel()
         out = self.stop.apply((drafts[:verify.accepted_len] + [verify.next_token])[:self.stop.remaining])
         canonical.extend(out.tokens)
         return RoundRecord(
@@ -191,14 +221,16 @@ class Round:
             draft_confidences=tuple(reply.confidences) if reply else (),
             accepted=verify.accepted_len, emitted=out.tokens, text_delta=out.text_delta, finish=out.finish,
             fallback=k > 0 and reply is None, greedy=self.sampling.greedy,
-            draft_ms=reply.compute_ms if reply else 0.0, draft_token_ms=_draft_token_ms(reply),
+            draft_ms=reply.compute_ms if reply else 0.0,
+            draft_token_ms=0.0 if hit and self._hit_shared_draft else _draft_token_ms(reply),
             verify_ms=verify.compute_ms, verify_wall_ms=verify.wall_ms,
             round_ms=(time.perf_counter() - started) * 1000.0,
             draft_prefilled=reply.prefilled_tokens if reply else 0, target_prefilled=verify.prefilled_tokens,
             target_cached=calls.target_cached, reprefills=calls.reprefills,
             bytes_to_draft=calls.bytes_to_draft, bytes_from_draft=calls.bytes_from_draft,
             bytes_to_target=calls.bytes_to_target, bytes_from_target=calls.bytes_from_target,
-            predraft_hit=hit, predraft_saved_ms=saved_ms, draft_wall_ms=reply.wall_ms if reply else 0.0,
+            predraft_hit=hit, predraft_saved_ms=saved_ms, predraft_branch_hit=branch_hit,
+            draft_wall_ms=reply.wall_ms if reply else 0.0,
             target_batch=verify.batch_sessions, target_rows=verify.batch_rows, target_waiting=verify.worker_waiting)
 
     # ------------------------------------------------------------------ pipelining
@@ -207,37 +239,130 @@ class Round:
         task = asyncio.create_task(self._propose(k, calls, canonical=assumed))
         self._ahead = _PreDraft(assumed, calls, task, time.perf_counter())
 
-    async def _take_predraft(self, k: int, calls: _Calls) -> tuple[DraftReply | None, bool | None, float]:
-        """Settle the pending pre-draft: (this round's drafts if it hit, hit / miss / None, ms saved).
+    async def _take_predraft(self, k: int, calls: _Calls
+                             ) -> tuple[DraftReply | None, bool | None, float, bool | None]:
+        """Settle the pending pre-drafts: (this round's drafts if one hit, hit / miss / None, ms
+        saved, and whether a branch for the previous round's rejection hit (None: none was made)).
 
-        hit: the target accepted everything and its bonus was the draft's guess; miss: the verify
-        rejected a draft or the guess was wrong; None: nothing was tested (no pre-draft, k = 0 now,
-        or the pre-draft failed or stopped at its guess). A pre-draft still running is waited for
-        only when it may hit; otherwise it is cancelled. Either way the draft's cache is in a state
-        the view accounts for before the next call.
+        hit: the target accepted everything and its bonus was the draft's guess, or it rejected
+        where a branch was made and corrected to that branch's token; miss: pre-drafts were made
+        and none came true; None: nothing was tested (no pre-draft, k = 0 now, or the pre-drafts
+        failed or stopped early). A pre-draft still running is waited for only when it may hit;
+        the others are cancelled. Either way the draft's caches are in a state the views account
+        for before the next call.
         """
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None, None, 0.0
-        if k == 0 and not ahead.task.done():
+        # They stay on self until settled: if this turn is cancelled while waiting, settle() stops them.
+        ahead, branches = self._ahead, self._branches
+        self._hit_shared_draft = False
+        if ahead is None and not branches:
+            return None, None, 0.0, None
+        # The previous round's outcome is what its verify appended: the branch made for that
+        # rejection (if any) is the only one not cancelled.
+        branch = next((b for b in branches if not b.task.cancelled() and self.session.tokens == b.assumed), None)
+        tested_branch = next((b for b in branches if len(self.session.tokens) == len(b.assumed)
+                              and self.session.tokens[:-1] == b.assumed[:-1]), None)
+        for b in branches:
+            if b is not branch or k == 0:
+                b.task.cancel()
+        if ahead is not None and k == 0 and not ahead.task.done():
             ahead.task.cancel()
         waited_from = time.perf_counter()
-        pre = await self._outcome(ahead)
+        pre = await self._outcome(ahead) if ahead is not None else None
+        if branches:
+            await asyncio.wait({b.task for b in branches})
+        self._ahead, self._branches = None, []
         waited_ms = (time.perf_counter() - waited_from) * 1000.0
-        for name in ("reprefills", "bytes_to_draft", "bytes_from_draft"):
-            setattr(calls, name, getattr(calls, name) + getattr(ahead.calls, name))
-        if ahead.rejected:
-            return None, False, 0.0
-        if k == 0 or pre is None or len(pre.tokens) < 2:
-            return None, None, 0.0
+        # Drafts made beside branches ran in forwards of several rows: not a measure of one token's cost.
+        self._hit_shared_draft = bool(branches)
+        for source in [ahead.calls] if ahead is not None else []:
+            self._add_calls(calls, source)
+        for b in branches:
+            self._add_calls(calls, b.calls)
+        branch_hit = None if tested_branch is None else tested_branch is branch
+        if k == 0:
+            return None, None, 0.0, branch_hit
+        if branch is not None:
+            got = self._branch_outcome(branch)
+            if got is not None and got.tokens:
+                # The branch's slot holds the session's text now: the next calls go there.
+                self.session.draft_slot = branch.slot
+                return self._first_k(got, k), True, max(0.0, got.wall_ms - waited_ms), True
+            branch_hit = None  # it failed or drafted nothing: nothing was tested
+        if ahead is not None and ahead.rejected:
+            return None, False, 0.0, branch_hit
+        if ahead is None or pre is None or len(pre.tokens) < 2:
+            return None, None, 0.0, branch_hit
         if self.session.tokens != ahead.assumed + [pre.tokens[0]]:
-            return None, False, 0.0
-        usable = pre.after_first()
-        usable.tokens, usable.token_probs = usable.tokens[:k], usable.token_probs[:k]
-        usable.confidences = usable.confidences[:k]
+            return None, False, 0.0, branch_hit
+        return self._first_k(pre.after_first(), k), True, max(0.0, pre.wall_ms - waited_ms), branch_hit
+
+    @staticmethod
+    def _first_k(reply: DraftReply, k: int) -> DraftReply:
+        """A pre-drafted reply cut to this round's k."""
+        usable = dataclasses.replace(reply, tokens=reply.tokens[:k], token_probs=reply.token_probs[:k],
+                                     confidences=reply.confidences[:k], alternatives=reply.alternatives[:k])
         if usable.q_payload is not None and len(usable.q_payload):
-            usable.q_payload = usable.q_payload[:k]
-        return usable, True, max(0.0, pre.wall_ms - waited_ms)
+            usable.q_payload = list(usable.q_payload)[:k]
+        return usable
+
+    @staticmethod
+    def _add_calls(total: _Calls, part: _Calls) -> None:
+        for name in ("reprefills", "bytes_to_draft", "bytes_from_draft"):
+            setattr(total, name, getattr(total, name) + getattr(part, name))
+
+    @staticmethod
+    def _branch_outcome(branch: _Branch) -> DraftReply | None:
+        task = branch.task
+        if not task.done() or task.cancelled() or task.exception() is not None:
+            return None
+        return task.result()
+
+    def _start_branches(self, canonical: list[int], drafts: list[int], reply: DraftReply) -> None:
+        """Pre-draft on up to `branches` free slots, as many as the draft can run beside the main
+        pre-draft within the verify (kpolicy.branch_budget), at the likeliest rejections
+        (branch_points), each as deep as the main pre-draft."""
+        free = [slot for slot in range(self.branches + 1) if slot != self.session.draft_slot]
+        source = self.session.draft_slot
+        depth = min(len(drafts) + 1, self.max_k, self.stop.remaining - len(drafts) - 2) + 1
+        budget = branch_budget(self.session.stats.timing, len(drafts), depth, self.branches)
+        points = branch_points(drafts, reply.token_probs, reply.alternatives, self.stop.remaining, budget)
+        for (j, alt), slot in zip(points, free):
+            assumed = canonical + drafts[:j] + [alt]
+            depth = min(len(drafts) + 1, self.max_k, self.stop.remaining - (j + 1) - 1)
+            calls = _Calls()
+            task = asyncio.create_task(self._propose_branch(assumed, depth, slot, source, calls))
+            self._branches.append(_Branch(assumed, j, alt, slot, calls, task, time.perf_counter()))
+
+    async def _propose_branch(self, assumed: list[int], k: int, slot: int, source: int,
+                              calls: _Calls) -> DraftReply | None:
+        """One branch pre-draft: fork `slot` from the session's draft slot at assumed[:-1], then draft
+        k tokens after assumed[-1]. Optional work: any failure only means no branch this round."""
+        w, session = self.workers, self.session
+        view = session.draft_views.setdefault(slot, WorkerView())
+        view.reset()  # whatever the slot held, the fork replaces it
+        commit = session.draft_views[source].commit_for(assumed)
+        if commit.cache_len != len(assumed) - 1:
+            return None  # the draft does not hold the branch point (its slot was cropped meanwhile)
+        left = self.deadline.at
+        timeout = w.draft_timeout_s if left is None else min(max(0.0, left - time.monotonic()), w.draft_timeout_s)
+        try:
+            reply = await w.draft.propose(session.session_id, commit, k, self.sampling, self.min_draft_prob,
+                                          timeout, slot=slot, fork_from=source)
+        except SpecdecError as exc:
+            log.debug("branch pre-draft on slot %d failed: %s", slot, exc)
+            return None
+        calls.bytes_to_draft += reply.bytes_sent
+        calls.bytes_from_draft += reply.bytes_received
+        if reply.slot != slot:
+            # A draft worker without slots (an older one behind the same address) ran this on the
+            # session's own cache: no branches from it again, and that cache is no longer what the
+            # view says (the next commit's hash check would find out; a reset saves the round trip).
+            log.warning("draft worker ignored branch slot %d (an older worker?): no more branch pre-drafts", slot)
+            w.disable_branches()
+            session.draft_views[source].reset()
+            return None
+        view.after_call(assumed, reply.tokens, reply.cache_len)
+        return reply
 
     async def _outcome(self, ahead: _PreDraft) -> DraftReply | None:
         """The pre-draft's reply, or None if it was cancelled or failed. Waits with asyncio.wait, so
@@ -261,6 +386,11 @@ class Round:
         call outlives its turn and the reply is not held back by it. A cancelled call leaves the view
         at the prefix the draft surely holds (see _propose); the next commit re-sends the rest."""
         ahead, self._ahead = self._ahead, None
+        branches, self._branches = self._branches, []
+        for branch in branches:
+            branch.task.cancel()
+        if branches:
+            await asyncio.wait({b.task for b in branches})
         if ahead is None:
             return
         ahead.task.cancel()
@@ -270,7 +400,7 @@ class Round:
 
     @property
     def predraft_pending(self) -> bool:
-        return self._ahead is not None
+        return self._ahead is not None or bool(self._branches)
 
     async def _propose(self, k: int, calls: _Calls, canonical: list[int] | None = None) -> DraftReply | None:
         """Ask the draft for k tokens; None if the draft cannot serve this round (it runs target-only).
@@ -280,14 +410,16 @@ class Round:
         """
         w, session = self.workers, self.session
         canonical = self.session.tokens if canonical is None else canonical
-        view = session.draft_view
+        # The slot is fixed for the call: a branch may become the draft slot while it runs.
+        slot = session.draft_slot
+        view = session.draft_views[slot]
         for attempt in range(2):
             commit = view.commit_for(canonical)
             left = self.deadline.remaining()
             timeout = w.draft_timeout_s if left is None else min(left, w.draft_timeout_s)
             try:
                 reply = await w.draft.propose(session.session_id, commit, k, self.sampling, self.min_draft_prob,
-                                              timeout)
+                                              timeout, slot=slot)
             except asyncio.CancelledError:
                 # Cancelled mid-call (a cancelled turn, a dropped pre-draft): the worker applied the
                 # commit or never ran it; either way it holds the kept prefix.
@@ -363,6 +495,24 @@ class Round:
             calls.target_cached = commit.cache_len
             view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), drafts, reply.cache_len)
             return reply
+
+
+def branch_points(drafts: list[int], token_probs: list[float], alternatives: list[tuple[int, float]],
+                  remaining: int, budget: int) -> list[tuple[int, int]]:
+    """Where to pre-draft on a branch: up to `budget` (position, runner-up) pairs, likeliest first.
+
+    The path 'drafts[:j] accepted, then the runner-up at j' has about the draft's own probability
+    prod(p_i, i < j) * p_alt(j). A branch needs a round after it: at least 2 tokens left once the
+    round has emitted its j + 1."""
+    scored: list[tuple[float, int, int]] = []
+    reach = 1.0
+    for j, token in enumerate(drafts):
+        alt, alt_prob = alternatives[j] if j < len(alternatives) else (-1, 0.0)
+        if alt >= 0 and alt != token and remaining - (j + 1) >= 2:
+            scored.append((reach * alt_prob, j, alt))
+        reach *= token_probs[j] if j < len(token_probs) else 0.0
+    scored.sort(key=lambda item: (-item[0], item[1]))
+    return [(j, alt) for _, j, alt in scored[:budget]]
 
 
 def _draft_token_ms(reply: DraftReply | None) -> float:

@@ -38,7 +38,8 @@ def params_from_pb(req: orchestrator_pb2.GenerateRequest) -> GenerateParams:
         max_k=spec.max_k if spec.HasField("max_k") else None,
         fixed_k=spec.fixed_k if spec.HasField("fixed_k") else None,
         min_draft_prob=spec.min_draft_prob if spec.HasField("min_draft_prob") else None,
-        pipeline=spec.pipeline if spec.HasField("pipeline") else None)
+        pipeline=spec.pipeline if spec.HasField("pipeline") else None,
+        pipeline_branches=spec.pipeline_branches if spec.HasField("pipeline_branches") else None)
     if which is None:
         raise InvalidRequest("exactly one of prompt, prompt_ids or messages is required")
     return GenerateParams(
@@ -65,7 +66,8 @@ def stats_to_pb(s: GenerationStats) -> orchestrator_pb2.GenerationStats:
         prompt_tokens=s.prompt_tokens,
         cached_prompt_tokens=s.cached_prompt_tokens, bytes_from_draft=s.bytes_from_draft,
         bytes_from_target=s.bytes_from_target, predraft_hits=s.predraft_hits,
-        predraft_misses=s.predraft_misses, predraft_saved_ms=s.predraft_saved_ms)
+        predraft_misses=s.predraft_misses, predraft_saved_ms=s.predraft_saved_ms,
+        predraft_branch_hits=s.predraft_branch_hits)
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):

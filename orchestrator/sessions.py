@@ -44,11 +44,19 @@ class OrchestratorSession:
     ephemeral: bool
     tokens: list[int] = field(default_factory=list)          # canonical: prompt + generated, all turns
     messages: list[dict[str, str]] = field(default_factory=list)  # chat history, when chat is used
-    draft_view: WorkerView = field(default_factory=WorkerView)
+    # The draft holds a session in slots (pipelined rounds pre-draft on branch slots forked from the
+    # session's cache); draft_slot is the one that holds the session's text, and a branch whose guess
+    # came true becomes it.
+    draft_views: dict[int, WorkerView] = field(default_factory=lambda: {0: WorkerView()})
+    draft_slot: int = 0
     target_view: WorkerView = field(default_factory=WorkerView)
     stats: SessionStats = field(default_factory=SessionStats)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def draft_view(self) -> WorkerView:
+        return self.draft_views.setdefault(self.draft_slot, WorkerView())
 
 
 class OrchestratorSessions:

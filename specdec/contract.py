@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,17 @@ MAX_SESSION_ID_LEN = 256
 # Temperatures below this are greedy (as in vLLM): dividing logits by a smaller one overflows float32
 # for no behavioural difference, since the warped distribution is already a point mass.
 GREEDY_TEMPERATURE = 1e-5
+
+
+# A draft session's branch slots (pipelined rounds pre-draft on them): slot 0 is the session's own
+# cache, slots 1..MAX_BRANCH_SLOTS copies forked from it for the outcomes a verify may have.
+MAX_BRANCH_SLOTS = 8
+
+
+def slot_key(session_id: str, slot: int) -> str:
+    """A worker's key for a session's slot: the id itself for slot 0. The separator is not printable,
+    so no client session id (validate_session_id) can name another session's branch."""
+    return session_id if slot == 0 else f"{session_id}\x00{slot}"
 
 
 def validate_session_id(session_id: str) -> None:
@@ -157,3 +169,18 @@ class CostCurve:
     @classmethod
     def from_pb(cls, msgs: Sequence[common_pb2.ForwardCost]) -> "CostCurve":
         return cls(tuple((m.tokens, m.context, m.ms) for m in msgs))
+
+
+class CallTimer:
+    """Times a worker call (compute_ms); elapsed_ms() reads it mid-call."""
+
+    def __enter__(self) -> "CallTimer":
+        self.start = time.perf_counter()
+        self.ms = 0.0
+        return self
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1000.0
+
+    def __exit__(self, *exc: object) -> None:
+        self.ms = (time.perf_counter() - self.start) * 1000.0

@@ -3,6 +3,7 @@ specdec.tokenizers; both are torch-free so the orchestrator can use them.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import os
@@ -169,6 +170,26 @@ def crop_cache(cache: Any, length: int) -> None:
         return
     # transformers >= 5 takes a negative count of tokens to drop; 4.x took the absolute length.
     cache.crop(-(current - length) if _CROP_TAKES_REMOVAL else length)
+
+
+def copy_cache(cache: Any, length: int) -> Any:
+    """An independent copy of a DynamicCache's first `length` positions (a branch of a session)."""
+    copied = copy.deepcopy(cache)
+    crop_cache(copied, length)
+    return copied
+
+
+def estimate_kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """2 (K and V) x layers x KV heads x head dim x element size; 0 if the config does not say."""
+    cfg = getattr(model, "config", None)
+    try:
+        layers = cfg.num_hidden_layers
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        element = next(model.parameters()).element_size()
+    except (AttributeError, StopIteration, TypeError, ZeroDivisionError):
+        return 0
+    return int(2 * layers * heads * head_dim * element)
 
 
 def cache_nbytes(cache: Any) -> int:

@@ -171,18 +171,38 @@ class Draft:
     confidences: list[float] = field(default_factory=list)
     # Forwards run after the first (the first position's logits come from applying the commit).
     steps: int = 0
+    # The runner-up at each drafted position (token, probability): pipelined rounds pre-draft after
+    # the likeliest of these, as guesses of the target's correction token at a rejection.
+    alternatives: list[tuple[int, float]] = field(default_factory=list)
 
 
 def draft_confidence(logits: torch.Tensor, cfg: SamplingConfig,
-                     max_entries: int) -> tuple[float, SparseDist | None, int]:
-    """(the draft's max probability at this position, q or None when greedy, the greedy token or -1),
-    before any token is drawn. Greedy: one transfer of two scalars."""
+                     max_entries: int) -> tuple[float, SparseDist | None, int, tuple[int, float]]:
+    """(the draft's max probability at this position, q or None when greedy, the greedy token or -1,
+    the greedy runner-up (token, probability) or (-1, 0)), before any token is drawn. Greedy: one
+    transfer of four scalars."""
     if cfg.greedy:
-        top = torch.softmax(logits.to(torch.float32), dim=-1).max().to(torch.float64)
-        confidence, token = torch.stack([top, torch.argmax(logits).to(torch.float64)]).tolist()
-        return confidence, None, int(token)
+        probs = torch.softmax(logits.to(torch.float32), dim=-1)
+        token = torch.argmax(logits)
+        others = probs.clone()
+        others[token] = -1.0  # the runner-up is the best of the rest (-1: a vocabulary of one)
+        alt = torch.argmax(others)
+        top, token_id, alt_prob, alt_id = torch.stack(
+            [probs[token], token, others[alt], alt]).to(torch.float64).tolist()
+        alternative = (int(alt_id), alt_prob) if alt_prob >= 0 else (-1, 0.0)
+        return top, None, int(token_id), alternative
     q = sparsify(warp(logits, cfg), max_entries)
-    return float(q.probs.max()), q, -1
+    return float(q.probs.max()), q, -1, (-1, 0.0)
+
+
+def runner_up(q: SparseDist, drawn_index: int) -> tuple[int, float]:
+    """q's most probable token other than the one drawn: (token, probability), (-1, 0) if none."""
+    if len(q.probs) < 2:
+        return -1, 0.0
+    probs = q.probs.clone()
+    probs[drawn_index] = -1.0
+    index = int(torch.argmax(probs))
+    return int(q.token_ids[index]), float(q.probs[index])
 
 
 def draft_steps(first_logits: torch.Tensor, k: int, cfg: SamplingConfig, first_position: int,
@@ -203,7 +223,7 @@ def draft_steps(first_logits: torch.Tensor, k: int, cfg: SamplingConfig, first_p
     draft = Draft()
     logits = first_logits
     for i in range(k):
-        confidence, q, greedy_token = draft_confidence(logits, cfg, max_entries)
+        confidence, q, greedy_token, alternative = draft_confidence(logits, cfg, max_entries)
         draft.confidences.append(confidence)
         if min_draft_prob > 0 and confidence < min_draft_prob:
             break
@@ -213,7 +233,9 @@ def draft_steps(first_logits: torch.Tensor, k: int, cfg: SamplingConfig, first_p
         else:
             index = rng.choose(q.probs, first_position + i, STREAM_DRAFT)
             token, prob = int(q.token_ids[index]), float(q.probs[index])
+            alternative = runner_up(q, index)
             draft.q.append(q)
+        draft.alternatives.append(alternative)
         draft.tokens.append(token)
         draft.token_probs.append(prob)
         if i < k - 1:

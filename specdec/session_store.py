@@ -83,11 +83,15 @@ class SessionStore(Generic[T]):
         self.evictions += len(expired)
         return expired
 
-    def enforce_budget(self, extra_bytes: int = 0) -> list[str]:
-        """Evict LRU unpinned sessions until total + extra fits max_bytes and count fits."""
+    def enforce_budget(self, extra_bytes: int = 0, first: Callable[[str], bool] | None = None) -> list[str]:
+        """Evict LRU unpinned sessions until total + extra fits max_bytes and count fits; the keys
+        `first` marks (copies that are cheap to lose) go before the others, each group in LRU order."""
         evicted: list[str] = []
         total = self.total_bytes() + extra_bytes
-        for sid in list(self._slots):
+        order = list(self._slots)
+        if first is not None:
+            order = [k for k in order if first(k)] + [k for k in order if not first(k)]
+        for sid in order:
             if total <= self.max_bytes and len(self._slots) <= self.max_sessions:
                 break
             slot = self._slots[sid]

@@ -6,16 +6,16 @@ shared servicer plumbing in specdec.worker_server maps protobuf <-> these datacl
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from specdec.contract import CallStats, Commit, CostCurve, prefix_hash, validate_session_id
+from specdec.contract import (MAX_BRANCH_SLOTS, CallStats, CallTimer, Commit, CostCurve, prefix_hash, slot_key,
+                              validate_session_id)
 from specdec.errors import CacheMismatch, CapacityExceeded, InvalidRequest, SessionNotFound
-from specdec.models import LoadedModel, cache_nbytes, crop_cache, new_cache
+from specdec.models import LoadedModel, cache_nbytes, copy_cache, crop_cache, estimate_kv_bytes_per_token, new_cache
 from specdec.session_store import SessionStore
 
 log = logging.getLogger(__name__)
@@ -76,19 +76,6 @@ class WorkerCounters:
     cache_mismatches: int = 0
 
 
-def estimate_kv_bytes_per_token(model: torch.nn.Module) -> int:
-    """2 (K and V) x layers x KV heads x head dim x element size; 0 if the config does not say."""
-    cfg = getattr(model, "config", None)
-    try:
-        layers = cfg.num_hidden_layers
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        element = next(model.parameters()).element_size()
-    except (AttributeError, StopIteration, TypeError, ZeroDivisionError):
-        return 0
-    return int(2 * layers * heads * head_dim * element)
-
-
 class WorkerCore:
     def __init__(self, loaded: LoadedModel, role: str, limits: StoreLimits = StoreLimits()) -> None:
         self.loaded = loaded
@@ -123,15 +110,15 @@ class WorkerCore:
                 raise InvalidRequest(f"{what} contains token id {t} outside the vocabulary [0, {self.vocab_size})")
 
     # ------------------------------------------------------------------ sessions
-    def end_session(self, session_id: str) -> bool:
-        return self.store.pop(session_id) is not None
+    def end_session(self, session_id: str) -> bool:  # with its branch slots
+        return any([self.store.pop(slot_key(session_id, slot)) is not None for slot in range(MAX_BRANCH_SLOTS + 1)])
 
     def session_tokens(self, session_id: str) -> list[int] | None:
         session = self.store.get(session_id)
         return list(session.tokens) if session else None
 
     def _checkout(self, session_id: str, commit: Commit) -> WorkerSession:
-        validate_session_id(session_id)
+        """The session (a slot key) with its cache checked against the commit's prefix."""
         if commit.cache_len < 0:
             raise InvalidRequest("commit.cache_len must be >= 0")
         session = self.store.get(session_id)
@@ -149,6 +136,19 @@ class WorkerCore:
             raise CacheMismatch(f"session {session_id!r}: cache holds {len(session.tokens)} tokens that do not "
                                 f"match the expected prefix of {commit.cache_len}; re-send with cache_len=0")
         return session
+
+    def fork(self, session_id: str, source_slot: int, slot: int, commit: Commit) -> None:
+        """Make `slot` a copy of `source_slot`'s first commit.cache_len tokens (checked like a commit),
+        replacing what it held. On the model thread, between forwards: the source is never mid-forward."""
+        source = self._checkout(slot_key(session_id, source_slot), commit)
+        branch = WorkerSession(copy_cache(source.cache, commit.cache_len), list(source.tokens[:commit.cache_len]))
+        key = slot_key(session_id, slot)
+        self.store.put(key, branch)
+        try:
+            self._reserve(key, commit.cache_len)
+        except CapacityExceeded:
+            self.store.pop(key)
+            raise
 
     # ------------------------------------------------------------------ compute
     @torch.inference_mode()
@@ -210,19 +210,30 @@ class WorkerCore:
                 crop_cache(session.cache, length)
             del session.tokens[length:]
 
-    def begin_steps(self, session_id: str, commit: Commit, extra_tokens: Sequence[int],
-                    stats: CallStats) -> Generator[ForwardStep, torch.Tensor, tuple[WorkerSession, torch.Tensor]]:
+    def begin_steps(self, session_id: str, commit: Commit, extra_tokens: Sequence[int], stats: CallStats,
+                    slot: int = 0, fork_from: int | None = None,
+                    ) -> Generator[ForwardStep, torch.Tensor, tuple[WorkerSession, torch.Tensor]]:
         """Apply a commit, then feed `extra_tokens` after it in the same forward step.
 
         Returns the session and the logits of the last len(extra_tokens) + 1 fed positions (those
         that predict the first extra token onwards), on the model's device. At least one committed
         token is always fed, because the logits of the last committed token predict the next one.
 
-        The session stays pinned (never evicted) until the caller calls release(session_id), since
-        other calls' steps run between this call's steps.
+        The call runs on `slot` of the session (0: its own cache; a branch slot otherwise), which
+        fork_from, if given, first makes a copy of that slot's committed prefix (fork). The slot
+        stays pinned (never evicted) until the caller calls release(session_id, slot), since other
+        calls' steps run between this call's steps.
         """
+        validate_session_id(session_id)
+        if not 0 <= slot <= MAX_BRANCH_SLOTS or not (fork_from is None or 0 <= fork_from <= MAX_BRANCH_SLOTS):
+            raise InvalidRequest(f"slot and fork_from must be in [0, {MAX_BRANCH_SLOTS}], got {slot} and {fork_from}")
+        if fork_from == slot:
+            raise InvalidRequest(f"a slot cannot be forked from itself (slot {slot})")
         self.check_tokens(commit.append_tokens, "commit.append_tokens")
         self.check_tokens(extra_tokens, "tokens")
+        if fork_from is not None:
+            self.fork(session_id, fork_from, slot, commit)
+        session_id = slot_key(session_id, slot)
         session = self._checkout(session_id, commit)
         feed_tokens = list(commit.append_tokens)
         keep = commit.cache_len
@@ -247,9 +258,9 @@ class WorkerCore:
         stats.fed_tokens += len(feed_tokens) + len(extra_tokens)
         return session, logits
 
-    def release(self, session_id: str) -> None:
-        """End of the call that begin_steps pinned the session for."""
-        self.store.unpin(session_id)
+    def release(self, session_id: str, slot: int = 0) -> None:
+        """End of the call that begin_steps pinned the session's slot for."""
+        self.store.unpin(slot_key(session_id, slot))
 
     def run_alone(self, steps: CallSteps) -> Any:
         """Run a call's steps, each as its own forward (no scheduler: tools, tests)."""
@@ -265,7 +276,7 @@ class WorkerCore:
         needed = total_tokens * self._bytes_per_token - current_bytes
         self.store.pin(session_id)
         try:
-            self.store.enforce_budget(extra_bytes=max(0, needed))
+            self.store.enforce_budget(extra_bytes=max(0, needed), first=lambda key: "\x00" in key)  # branches first
             if not self.store.fits(total_tokens * self._bytes_per_token, exclude=session_id):
                 raise CapacityExceeded(
                     f"{self.role} worker KV budget of {self.store.max_bytes} bytes cannot hold "
@@ -273,19 +284,7 @@ class WorkerCore:
         finally:
             self.store.unpin(session_id)
 
-    def timed(self) -> "_Timer":
+    def timed(self) -> CallTimer:
         self.counters.calls += 1
-        return _Timer()
+        return CallTimer()
 
-
-class _Timer:
-    def __enter__(self) -> "_Timer":
-        self.start = time.perf_counter()
-        self.ms = 0.0
-        return self
-
-    def elapsed_ms(self) -> float:
-        return (time.perf_counter() - self.start) * 1000.0
-
-    def __exit__(self, *exc: object) -> None:
-        self.ms = (time.perf_counter() - self.start) * 1000.0

@@ -13,7 +13,7 @@ import grpc
 from specdec import grpc_util
 from specdec.errors import DeadlineExceeded
 from specdec.v1 import common_pb2
-from specdec.contract import CallStats, CostCurve, validate_session_id
+from specdec.contract import MAX_BRANCH_SLOTS, CallStats, CostCurve, validate_session_id
 from specdec.scheduler import BatchLimits, BatchScheduler, prefill_chunk_for
 from specdec.worker_core import ForwardStep, StoreLimits, WorkerCore
 
@@ -75,7 +75,7 @@ class WorkerServicerBase:
             max_batch=self.scheduler.limits.max_batch,
             batching=("one forward per call: " + self.core.ragged_unsupported) if self.core.ragged_unsupported
             else "ragged", utilisation=snapshot.utilisation, active_calls=snapshot.active,
-            waiting_calls=snapshot.waiting)
+            waiting_calls=snapshot.waiting, branch_slots=MAX_BRANCH_SLOTS if self.core.role == "draft" else 0)
 
     def close(self) -> None:
         self.scheduler.close()

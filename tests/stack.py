@@ -102,10 +102,12 @@ async def start_stack(target_ref: str = "tiny:seed=0", draft_ref: str = "tiny:se
                       worker_limits: StoreLimits = StoreLimits(), engine_limits: EngineLimits = EngineLimits(),
                       max_concurrent: int = 8, max_queue: int = 32,
                       draft_dtype: torch.dtype = torch.float32, trace_file: str | None = None,
-                      batch: BatchLimits = BatchLimits(), draft_call_delay_ms: float = 0.0) -> Stack:
+                      batch: BatchLimits = BatchLimits(), draft_call_delay_ms: float = 0.0,
+                      target_call_delay_ms: float = 0.0) -> Stack:
     draft_handle, draft = await start_worker("draft", draft_ref, worker_limits, dtype=draft_dtype, batch=batch,
                                              call_delay_ms=draft_call_delay_ms)
-    target_handle, target = await start_worker("target", target_ref, worker_limits, batch=batch)
+    target_handle, target = await start_worker("target", target_ref, worker_limits, batch=batch,
+                                               call_delay_ms=target_call_delay_ms)
     cfg = OrchestratorConfig(f"127.0.0.1:{draft_handle.port}", f"127.0.0.1:{target_handle.port}", target_ref,
                              speculation, engine_limits, max_concurrent, max_queue, connect_timeout_s=10.0,
                              trace_file=trace_file)

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from specdec.sampling import SparseDist
+from orchestrator.rounds import branch_points
 from specdec.sampling import (Draft, SamplingConfig, SeededRandomness, propose_tokens, sample_index,
                               target_distribution, uniform, verify_greedy, verify_sampled)
 
@@ -271,37 +272,50 @@ def _propose(case: Case, context: tuple[int, ...], k: int, rng) -> Draft:
     return propose_tokens(case.draft(context), feed, k, case.cfg, len(context), case.max_q, case.min_draft_prob, rng)
 
 
-# A pre-draft the orchestrator holds between rounds: (the prefix it assumed, its tokens, their q).
-Ahead = tuple[tuple[int, ...], tuple[int, ...], tuple[SparseDist, ...]] | None
+# The pre-drafts the orchestrator holds between rounds: (the prefix each assumed, its tokens, their q,
+# how many leading tokens are guesses to check rather than drafts: 1 for the bonus guess of the main
+# pre-draft, 0 for a branch, whose assumed prefix already ends with its guess of the correction).
+Ahead = tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[SparseDist, ...], int], ...] | None
 
 
 def pipelined_round(case: Case, context: tuple[int, ...], k: int, remaining: int, ahead: Ahead, first: bool,
-                    overlap: bool, pipeline: bool, max_k: int, rng) -> tuple[tuple[int, ...], Ahead]:
+                    overlap: bool, pipeline: bool, max_k: int, rng, branches: int = 0
+                    ) -> tuple[tuple[int, ...], Ahead]:
     """One round of orchestrator.rounds.Round.run's schedule, on the production sampling functions.
 
-    A pre-draft from the previous round is used on a hit (the prefix is the assumed one plus its first
-    token, and k > 0). Prefill overlap: a first round with k > 0 verifies nothing and pre-drafts k+1
-    after the context. Pipelining: a round with drafts pre-drafts len(drafts)+2 after them. A
-    rejection discards the new pre-draft. The pre-draft's decisions are made before the verify's,
-    as in service, where it runs during the verify."""
+    A pre-draft from the previous round is used on a hit (the prefix is the assumed one plus its
+    guessed tokens, and k > 0). Prefill overlap: a first round with k > 0 verifies nothing and
+    pre-drafts k+1 after the context. Pipelining: a round with drafts pre-drafts len(drafts)+2 after
+    them, and with `branches` also after drafts[:j] + the runner-up at the branch points
+    (orchestrator.rounds.branch_points). A rejection discards the main pre-draft. The pre-drafts'
+    decisions are made before the verify's, as in service, where they run during the verify."""
     drafts: list[int] | None = None
     qs: list[SparseDist] = []
-    if ahead is not None and k > 0:
-        assumed, tokens, q = ahead
-        if len(tokens) >= 2 and context == assumed + tokens[:1]:
-            drafts, qs = list(tokens[1:1 + k]), list(q[1:1 + k])
-    new_ahead: Ahead = None
+    for assumed, tokens, q, guessed in (ahead or ()) if k > 0 else ():
+        if len(tokens) > guessed and context == assumed + tokens[:guessed]:
+            drafts, qs = list(tokens[guessed:guessed + k]), list(q[guessed:guessed + k])
+            break
+    new_ahead: list = []
     if drafts is None and k > 0 and overlap and first and remaining >= 3:
         pre = _propose(case, context, min(k, remaining - 2) + 1, rng)
-        new_ahead, drafts = (context, tuple(pre.tokens), tuple(pre.q)), []
+        new_ahead, drafts = [(context, tuple(pre.tokens), tuple(pre.q), 1)], []
     elif drafts is None:
         draft = _propose(case, context, k, rng) if k > 0 else Draft()
         drafts, qs = list(draft.tokens), list(draft.q)
+        alternatives, probs = draft.alternatives, draft.token_probs
+    else:  # drafts from a hit: their runner-ups as the pre-draft reported them
+        alternatives, probs = None, None
     if pipeline and drafts and remaining - (len(drafts) + 1) >= 2:
         depth = min(len(drafts) + 1, max_k, remaining - len(drafts) - 2) + 1
         assumed = context + tuple(drafts)
         pre = _propose(case, assumed, depth, rng)
-        new_ahead = (assumed, tuple(pre.tokens), tuple(pre.q))
+        new_ahead = [(assumed, tuple(pre.tokens), tuple(pre.q), 1)]
+        if branches and alternatives is not None:
+            for j, alt in branch_points(drafts, probs, alternatives, remaining, branches):
+                depth = min(len(drafts) + 1, max_k, remaining - (j + 1) - 1)
+                branch_at = context + tuple(drafts[:j]) + (alt,)
+                pre = _propose(case, branch_at, depth, rng)
+                new_ahead.append((branch_at, tuple(pre.tokens), tuple(pre.q), 0))
     rows = torch.stack([case.target(context + tuple(drafts[:i])) for i in range(len(drafts) + 1)])
     if case.cfg.greedy:
         outcome = verify_greedy(rows, drafts)
@@ -309,12 +323,13 @@ def pipelined_round(case: Case, context: tuple[int, ...], k: int, remaining: int
         wire_q = [SparseDist.from_pb(q.to_pb()) for q in qs]
         outcome = verify_sampled(rows, drafts, wire_q, case.cfg, len(context), rng)
     if outcome.accepted_len < len(drafts):
-        new_ahead = None  # a rejection cancels the pre-draft
-    return tuple(outcome.emitted(drafts)), new_ahead
+        new_ahead = [entry for entry in new_ahead if entry[3] == 0]  # a rejection cancels the main pre-draft
+    return tuple(outcome.emitted(drafts)), tuple(new_ahead) or None
 
 
 def pipelined_distribution(case: Case, n_tokens: int, k_for: Callable[[tuple[int, ...]], int], overlap: bool,
-                           pipeline: bool, max_k: int = 3, round_fn=None) -> dict[tuple[int, ...], float]:
+                           pipeline: bool, max_k: int = 3, round_fn=None, branches: int = 0
+                           ) -> dict[tuple[int, ...], float]:
     """Exact joint distribution of the first n_tokens under the pipelined schedule: the state carried
     from round to round is the context and the pending pre-draft."""
     def dist(context: tuple[int, ...], remaining: int, ahead: Ahead, first: bool) -> dict[tuple[int, ...], float]:
@@ -324,7 +339,7 @@ def pipelined_distribution(case: Case, n_tokens: int, k_for: Callable[[tuple[int
         out: dict[tuple[int, ...], float] = {}
         for (emitted, next_ahead), weight in enumerate_paths(
                 lambda rng: (round_fn or pipelined_round)(case, context, k, remaining, ahead, first, overlap,
-                                                         pipeline, max_k, rng)):
+                                                         pipeline, max_k, rng, branches)):
             emitted = emitted[:remaining]
             for tail, w in dist(context + emitted, remaining - len(emitted), next_ahead, False).items():
                 out[emitted + tail] = out.get(emitted + tail, 0.0) + weight * w
@@ -332,12 +347,13 @@ def pipelined_distribution(case: Case, n_tokens: int, k_for: Callable[[tuple[int
     return dist((), n_tokens, None, True)
 
 
-@pytest.mark.parametrize("overlap,pipeline", [(False, True), (True, False), (True, True)],
-                         ids=["pipelined", "prefill-overlap", "both"])
+@pytest.mark.parametrize("overlap,pipeline,branches", [(False, True, 0), (True, False, 0), (True, True, 0),
+                                                       (False, True, 2)],
+                         ids=["pipelined", "prefill-overlap", "both", "pipelined-branches"])
 @pytest.mark.parametrize("name", ["temperature", "top_p", "disjoint", "p_equals_q", "min_draft_prob", "greedy"])
-def test_pipelined_schedules_match_target_exactly(name: str, overlap: bool, pipeline: bool) -> None:
+def test_pipelined_schedules_match_target_exactly(name: str, overlap: bool, pipeline: bool, branches: int) -> None:
     case = make_case(name, vocab=3)
-    got = pipelined_distribution(case, 4, varying_k(2), overlap, pipeline)
+    got = pipelined_distribution(case, 4, varying_k(2), overlap, pipeline, branches=branches)
     want = target_joint(case, 4)
     assert abs(sum(got.values()) - 1.0) < TOLERANCE and set(got) <= set(want)
     assert max(abs(got.get(seq, 0.0) - p) for seq, p in want.items()) < TOLERANCE
@@ -352,7 +368,8 @@ def test_pipelined_enumeration_uses_predrafts_and_has_teeth() -> None:
     hits = []
 
     def counting(case, context, k, remaining, ahead, *rest):
-        if ahead is not None and k > 0 and len(ahead[1]) >= 2 and context == ahead[0] + ahead[1][:1]:
+        if ahead is not None and k > 0 and any(len(tokens) > guessed and context == assumed + tokens[:guessed]
+                                               for assumed, tokens, _, guessed in ahead):
             hits.append(1)
         return pipelined_round(case, context, k, remaining, ahead, *rest)
     pipelined_distribution(case, 4, lambda _: 2, overlap=True, pipeline=True, round_fn=counting)
@@ -360,10 +377,36 @@ def test_pipelined_enumeration_uses_predrafts_and_has_teeth() -> None:
 
     def shifted_q(case, context, k, remaining, ahead, *rest):
         if ahead is not None:
-            ahead = (ahead[0], ahead[1], ahead[2][:1] + ahead[2][:-1])
+            ahead = tuple((assumed, tokens, q[:1] + q[:-1], guessed) for assumed, tokens, q, guessed in ahead)
         return pipelined_round(case, context, k, remaining, ahead, *rest)
     got = pipelined_distribution(case, 4, lambda _: 2, overlap=True, pipeline=True, round_fn=shifted_q)
     want = target_joint(case, 4)
+    assert max(abs(got.get(seq, 0.0) - p) for seq, p in want.items()) > 1e-3
+
+
+def test_branch_predrafts_are_used_exactly_and_a_biased_branch_is_caught() -> None:
+    """With branches, some paths take their drafts from a branch (a rejection whose correction was
+    the draft's runner-up), the result is still the target's distribution, and a branch whose q is
+    not the one its tokens were drawn from is caught."""
+    case = make_case("temperature", vocab=3)
+    want = target_joint(case, 4)
+    branch_hits = []
+
+    def counting(case, context, k, remaining, ahead, *rest):
+        if ahead is not None and k > 0 and any(guessed == 0 and len(tokens) and context == assumed
+                                               for assumed, tokens, _, guessed in ahead):
+            branch_hits.append(1)
+        return pipelined_round(case, context, k, remaining, ahead, *rest)
+    got = pipelined_distribution(case, 4, lambda _: 1, overlap=False, pipeline=True, round_fn=counting, branches=2)
+    assert branch_hits
+    assert max(abs(got.get(seq, 0.0) - p) for seq, p in want.items()) < TOLERANCE
+
+    def wrong_q(case, context, k, remaining, ahead, *rest):
+        if ahead is not None:  # branches send their q with the probabilities reversed
+            ahead = tuple((assumed, tokens, tuple(SparseDist(d.token_ids, d.probs.flip(0)) for d in q) if guessed == 0
+                           else q, guessed) for assumed, tokens, q, guessed in ahead)
+        return pipelined_round(case, context, k, remaining, ahead, *rest)
+    got = pipelined_distribution(case, 4, lambda _: 1, overlap=False, pipeline=True, round_fn=wrong_q, branches=2)
     assert max(abs(got.get(seq, 0.0) - p) for seq, p in want.items()) > 1e-3
 
 

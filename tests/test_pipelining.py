@@ -16,7 +16,7 @@ from orchestrator.config import SpeculationConfig, SpeculationOverride
 from orchestrator.kpolicy import CostModelPolicy, Ewma, SessionStats
 from orchestrator.record import RoundRecord
 from specdec.errors import SessionNotFound
-from tests.stack import cancel_stream_after, start_stack
+from tests.stack import cancel_stream_after, draft_stub, start_stack, target_stub
 from tests.test_e2e_generate import reference_greedy
 from tests.test_turn_atomicity import fail_on_call
 
@@ -109,8 +109,9 @@ async def test_a_failing_predraft_costs_nothing_but_time() -> None:
         await stack.close()
 
 
-async def test_cancelled_pipelined_stream_leaves_no_call_behind() -> None:
-    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.01")
+@pytest.mark.parametrize("target_delay_ms", [0.0, 40.0], ids=["near", "far-target-with-branches"])
+async def test_cancelled_pipelined_stream_leaves_no_call_behind(target_delay_ms: float) -> None:
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.03", target_call_delay_ms=target_delay_ms)
     try:
         first = await stack.generate(prompt_ids=PROMPT, max_new_tokens=12, session_id="s",
                                      speculation={"fixed_k": 3, "pipeline": True})
@@ -180,6 +181,22 @@ def test_bonus_match_is_learned_only_after_fully_accepted_rounds() -> None:
     assert stats.bonus_match.value > start
 
 
+def test_branch_match_is_learned_from_rounds_after_a_branched_rejection() -> None:
+    stats = SessionStats()
+    start, bonus = stats.branch_match.value, stats.bonus_match.value
+
+    def record(accepted: int, hit: bool | None, branch_hit: bool | None) -> RoundRecord:
+        return RoundRecord("s", 1, 0, "cost", 3, (1, 2, 3), (), (), accepted, (1,), "", None, False, True,
+                           1.0, 1.0, 10.0, 10.0, 12.0, 0, 0, 0, 0, predraft_hit=hit, predraft_branch_hit=branch_hit)
+    stats.observe(record(1, False, None))  # no branch for that rejection: nothing learned
+    assert stats.branch_match.value == start
+    stats.observe(record(1, False, False))  # a branch there guessed the correction wrong
+    assert stats.branch_match.value < start
+    low = stats.branch_match.value
+    stats.observe(record(3, True, True))
+    assert stats.branch_match.value > low and stats.bonus_match.value == bonus
+
+
 def test_pipeline_config_and_override() -> None:
     assert SpeculationConfig().pipeline is False
     on = SpeculationConfig().with_override(SpeculationOverride(pipeline=True))
@@ -216,21 +233,27 @@ async def test_emulated_latency_delays_both_directions_and_keeps_errors() -> Non
 def test_netbench_summary_ratios_hit_rate_and_identity() -> None:
     from specdec.tools.netbench import NetRun, markdown, summarize
 
-    def run(system: str, prompt: str, wall: float, hits: int = 0, misses: int = 0, ids=(1, 2, 3)) -> NetRun:
+    def run(system: str, prompt: str, wall: float, hits: int = 0, misses: int = 0, ids=(1, 2, 3),
+            branch_hits: int = 0) -> NetRun:
         return NetRun(10.0, system, prompt, 30, wall, verify_ms=wall * 500, hits=hits, misses=misses,
-                      saved_ms=hits * 5.0, token_ids=list(ids))
-    runs = [run("target-only", "a", 3.0), run("serial", "a", 2.0), run("pipelined", "a", 1.5, 3, 1),
+                      saved_ms=hits * 5.0, token_ids=list(ids), branch_hits=branch_hits)
+    runs = [run("target-only", "a", 3.0), run("serial", "a", 2.0), run("pipelined", "a", 1.5, 3, 1, branch_hits=1),
             run("target-only", "b", 3.0), run("serial", "b", 2.0), run("pipelined", "b", 1.0, 1, 3)]
     (row,) = summarize(runs)
     assert row["serial_vs_target_only"] == pytest.approx(1.5)
     assert row["pipelined_vs_serial"] == pytest.approx(statistics.median([2.0 / 1.5, 2.0]))
     assert row["hit_rate"] == pytest.approx(0.5) and row["identical"]
+    assert row["branch_hit_share"] == pytest.approx(0.25)
     assert row["serial_target_busy"] == pytest.approx(0.5)
-    assert "| 10 ms |" in markdown([row])
+    assert "| 10 ms |" in markdown([row]) and "pipelined-no-branches_tok_s" not in row
+    runs += [run("pipelined-no-branches", "a", 2.0, 1, 3), run("pipelined-no-branches", "b", 2.0, 1, 1)]
+    (row,) = summarize(runs)
+    assert row["pipelined-no-branches_vs_serial"] == pytest.approx(1.0)
+    assert row["pipelined-no-branches_hit_rate"] == pytest.approx(2 / 6)
+    assert "| 1.00, 1.67 |" in markdown([row])
     runs.append(run("pipelined", "c", 1.0, ids=(9,)))
     runs.append(run("target-only", "c", 1.0))
     assert not summarize(runs)[0]["identical"]
-
 
 
 def test_metrics_count_predraft_outcomes_and_saved_time() -> None:
@@ -299,3 +322,197 @@ async def test_the_first_round_prefills_target_and_draft_side_by_side(overlap: b
         for hook in hooks:
             hook.remove()
         await stack.close()
+
+
+# ----------------------------------------------------------------------------- branches
+
+def test_a_forked_slot_drafts_what_the_session_would_and_leaves_it_alone() -> None:
+    """A branch slot forked at a prefix drafts exactly what a session holding that prefix drafts
+    (the KV copy is the session's own), the source slot keeps its cache, ending the session ends
+    its slots, and bad forks answer NOT_FOUND, FAILED_PRECONDITION or INVALID_ARGUMENT."""
+    from draft_worker.engine import DraftEngine, ProposeParams
+    from specdec.contract import Commit, SamplingConfig, prefix_hash, slot_key
+    from specdec.errors import CacheMismatch, InvalidRequest
+    from specdec.models import load_model
+    from specdec.worker_core import WorkerCore
+
+    engine = DraftEngine(WorkerCore(load_model("tiny:seed=0,noise=0.03"), "draft"))
+    core, greedy = engine.core, SamplingConfig()
+    text = [5, 6, 7, 8, 9, 10, 11, 12]
+    engine.propose(ProposeParams("s", Commit(0, 0, tuple(text)), 3, greedy))
+    held = core.session_tokens("s")
+    fork = Commit(5, prefix_hash(text[:5]), (42,))
+    branch = engine.propose(ProposeParams("s", fork, 4, greedy, slot=2, fork_from=0))
+    alone = engine.propose(ProposeParams("fresh", Commit(0, 0, tuple(text[:5] + [42])), 4, greedy))
+    assert branch.tokens == alone.tokens and len(branch.tokens) == 4
+    assert [t for t, _ in branch.alternatives] == [t for t, _ in alone.alternatives]
+    assert all(t != d and 0 <= t for (t, _), d in zip(branch.alternatives, branch.tokens))
+    assert core.session_tokens("s") == held  # the source slot is untouched
+    assert core.session_tokens(slot_key("s", 2)) == text[:5] + [42] + branch.tokens[:-1]
+    # A slot forked again is replaced, not appended to.
+    engine.propose(ProposeParams("s", Commit(3, prefix_hash(text[:3]), (7,)), 1, greedy, slot=2, fork_from=0))
+    assert core.session_tokens(slot_key("s", 2)) == text[:3] + [7]
+    with pytest.raises(SessionNotFound):
+        engine.propose(ProposeParams("s", fork, 2, greedy, slot=1, fork_from=3))
+    with pytest.raises(CacheMismatch):
+        engine.propose(ProposeParams("s", Commit(5, prefix_hash([1, 2, 3, 4, 5]), (42,)), 2, greedy,
+                                     slot=1, fork_from=0))
+    for slot, source in ((9, 0), (1, 1), (0, 9)):
+        with pytest.raises(InvalidRequest):
+            engine.propose(ProposeParams("s", fork, 2, greedy, slot=slot, fork_from=source))
+    assert core.end_session("s")
+    assert core.session_tokens("s") is None and core.session_tokens(slot_key("s", 2)) is None
+    assert all(slot.pinned == 0 for slot in core.store._slots.values())
+
+
+def test_branch_points_take_the_likeliest_rejections() -> None:
+    from orchestrator.rounds import branch_points
+    drafts, probs = [1, 2, 3, 4], [0.9, 0.5, 0.9, 0.9]
+    alternatives = [(11, 0.05), (12, 0.4), (-1, 0.0), (14, 0.09)]
+    # Paths: j=0 0.05; j=1 0.9*0.4 = 0.36; j=2 has no runner-up; j=3 0.9*0.5*0.9*0.09 = 0.036.
+    assert branch_points(drafts, probs, alternatives, remaining=20, budget=2) == [(1, 12), (0, 11)]
+    assert branch_points(drafts, probs, alternatives, remaining=20, budget=8) == [(1, 12), (0, 11), (3, 14)]
+    assert branch_points(drafts, probs, alternatives, remaining=3, budget=8) == [(0, 11)]  # a round must follow
+    assert branch_points(drafts, probs, alternatives, remaining=20, budget=0) == []
+    assert branch_points([1], [0.9], [(1, 0.1)], remaining=20, budget=2) == []  # the runner-up is the draft
+
+
+def test_the_cost_model_counts_branch_hits() -> None:
+    stats = SessionStats()
+    stats.timing.seed(40.0, {k: 300.0 + 5 * k for k in range(9)})
+    stats.timing.draft_curve = ((1, 10.0), (9, 10.0))  # branches ride along for free (a GPU draft)
+    stats.acceptance = Ewma(0.3, 0.6)
+    stats.bonus_match, stats.branch_match = Ewma(0.2, 0.5), Ewma(0.2, 0.8)
+    plain = CostModelPolicy.tokens_per_ms(stats, 3, True, 0)
+    assert CostModelPolicy.tokens_per_ms(stats, 3, True, 2) > plain
+    stats.timing.load.target_batch = Ewma(0.3, 4.0)  # other sessions on the pair: no branches
+    assert CostModelPolicy.tokens_per_ms(stats, 3, True, 2) == pytest.approx(plain)
+    stats.timing.load.target_batch = Ewma(0.3, 1.0)
+    stats.timing.draft_curve = ((1, 10.0), (2, 30.0))  # no time for them beside the main pre-draft
+    assert CostModelPolicy.tokens_per_ms(stats, 3, True, 2) == pytest.approx(plain)
+    stats.timing.draft_curve = ((1, 10.0), (9, 10.0))
+    assert CostModelPolicy.tokens_per_ms(stats, 0, True, 2) == CostModelPolicy.tokens_per_ms(stats, 0, False)
+    stats.branch_match = Ewma(0.2, 0.0)  # branches never guess right: nothing gained
+    assert CostModelPolicy.tokens_per_ms(stats, 3, True, 2) == pytest.approx(plain)
+    assert SpeculationConfig().pipeline_branches == 2
+    assert SpeculationConfig().with_override(SpeculationOverride(pipeline_branches=0)).pipeline_branches == 0
+    assert SpeculationConfig(pipeline=True).make_policy().branches == 2
+    for bad in (-1, 9, True, 1.5):
+        with pytest.raises(Exception, match="pipeline_branches"):
+            SpeculationConfig().with_values({"pipeline_branches": bad}, "test")
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0}], ids=["greedy", "t1"])
+async def test_branch_predrafts_hit_and_change_no_token(sampling: dict) -> None:
+    # (the draft worker advertises its branch slots; the orchestrator pre-drafts on branches only then)
+    """With branches, rounds after a rejection whose correction was the draft's runner-up take their
+    drafts from the branch at once, and the output is the serial output token for token (greedy: the
+    target's own); with branches off, no such hit is counted. (A far target, 40 ms per call, gives
+    the draft the idle time branches need: kpolicy.branch_budget.)"""
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.03", target_call_delay_ms=40.0)
+    try:
+        branch_hits = 0
+        for seed in range(4):
+            serial = await _generate(stack, False, max_new_tokens=40, seed=seed, **sampling)
+            branched = await _generate(stack, True, max_new_tokens=40, seed=seed, **sampling,
+                                       speculation={"fixed_k": 3, "pipeline": True})
+            plain = await _generate(stack, True, max_new_tokens=40, seed=seed, **sampling,
+                                    speculation={"fixed_k": 3, "pipeline": True, "pipeline_branches": 0})
+            assert list(branched.token_ids) == list(serial.token_ids) == list(plain.token_ids), seed
+            if not sampling:
+                assert list(serial.token_ids) == reference_greedy(PROMPT, 40)
+            assert plain.stats.predraft_branch_hits == 0
+            assert branched.stats.predraft_branch_hits <= branched.stats.predraft_hits
+            branch_hits += branched.stats.predraft_branch_hits
+        assert branch_hits > 0
+    finally:
+        await stack.close()
+
+
+async def test_branches_only_where_the_draft_worker_has_slots() -> None:
+    """The draft advertises its branch slots in GetInfo (the target none); an orchestrator whose draft
+    has none (an older worker) pre-drafts on no branch, and the output is the same."""
+    from specdec.contract import MAX_BRANCH_SLOTS
+    from specdec.v1 import common_pb2
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.03", target_call_delay_ms=40.0)
+    try:
+        assert (await draft_stub(stack).GetInfo(common_pb2.GetInfoRequest())).branch_slots == MAX_BRANCH_SLOTS
+        assert (await target_stub(stack).GetInfo(common_pb2.GetInfoRequest())).branch_slots == 0
+        engine = stack.orch.engine
+        assert engine.draft_branch_slots == MAX_BRANCH_SLOTS
+        slots: list[int] = []
+        original = stack.draft.engine.propose_steps
+
+        def spy(params):
+            slots.append(params.slot)
+            return original(params)
+        stack.draft.engine.propose_steps = spy
+        with_branches = await _generate(stack, True, max_new_tokens=40)
+        assert any(slot > 0 for slot in slots)
+        engine.draft_branch_slots, slots[:] = 0, []
+        without = await _generate(stack, True, max_new_tokens=40)
+        assert slots and all(slot == 0 for slot in slots) and without.stats.predraft_branch_hits == 0
+        assert list(without.token_ids) == list(with_branches.token_ids) == reference_greedy(PROMPT, 40)
+    finally:
+        await stack.close()
+
+
+def test_branch_budget_uses_only_the_time_the_draft_would_idle() -> None:
+    from orchestrator.kpolicy import TimingModel, branch_budget
+    timing = TimingModel()
+    timing.seed(100.0, {k: 300.0 + 100.0 * k for k in range(9)})  # verify at k = 3: 600 ms
+    timing.rtt_ms, timing.draft_rtt_ms = Ewma(0.2, 0.0), Ewma(0.2, 0.0)
+    # A GPU-like draft: a forward over 3 rows costs what one does. 5 tokens = 500 ms fit in 600.
+    timing.draft_curve = ((1, 10.0), (3, 10.0), (9, 11.0))
+    assert branch_budget(timing, 3, 5, 2) == 2
+    assert branch_budget(timing, 3, 5, 0) == 0 and branch_budget(timing, 0, 5, 2) == 0
+    # A CPU-like draft whose forward grows with its rows: 2 rows 1.1x fits (550 ms), 3 rows 1.5x not.
+    timing.draft_curve = ((1, 10.0), (2, 11.0), (3, 15.0), (9, 40.0))
+    assert branch_budget(timing, 3, 5, 2) == 1
+    # A draft slower than the verify: no branch, which would only delay the main pre-draft.
+    timing.draft_ms_per_token = Ewma(0.2, 130.0)
+    assert branch_budget(timing, 3, 5, 2) == 0
+    # No calibration: rows are priced as linear, so branches need that much slack.
+    timing.draft_curve, timing.draft_ms_per_token = (), Ewma(0.2, 40.0)
+    assert timing.draft_rows_factor(3) == 3.0
+    assert branch_budget(timing, 3, 5, 2) == 2  # 5 x 40 x 3 = 600 <= 600
+    timing.draft_ms_per_token = Ewma(0.2, 45.0)
+    assert branch_budget(timing, 3, 5, 2) == 1  # 5 x 45 x 2 = 450
+
+
+async def test_a_draft_that_ignores_slots_turns_branches_off() -> None:
+    """A draft worker that runs branch calls on the session's own cache (an older worker behind the
+    same address, which knows no slots) is found out from the slot its reply names: branches stop
+    for good, and the output is still the target's."""
+    import dataclasses
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.03", target_call_delay_ms=40.0)
+    try:
+        original = stack.draft.engine.propose_steps
+        forks: list[int] = []
+
+        def old_worker(params):
+            forks.append(params.slot)
+            return original(dataclasses.replace(params, slot=0, fork_from=None))
+        stack.draft.engine.propose_steps = old_worker
+        reply = await _generate(stack, True, max_new_tokens=40)
+        assert list(reply.token_ids) == reference_greedy(PROMPT, 40)
+        assert any(slot > 0 for slot in forks) and stack.orch.engine.draft_branch_slots == 0
+        forks.clear()
+        reply = await _generate(stack, True, max_new_tokens=40)
+        assert list(reply.token_ids) == reference_greedy(PROMPT, 40) and forks and set(forks) == {0}
+    finally:
+        await stack.close()
+
+
+def test_branch_copies_are_evicted_before_sessions() -> None:
+    from specdec.session_store import SessionStore
+
+    class Item:
+        def nbytes(self) -> int:
+            return 10
+    store: SessionStore[Item] = SessionStore(max_bytes=30, ttl_s=60.0)
+    for key in ("a", "a\x001", "b", "b\x002"):
+        store.put(key, Item())
+    assert store.enforce_budget(first=lambda key: "\x00" in key) == ["a\x001"]
+    assert "a" in store and "b" in store and "b\x002" in store
+    assert store.enforce_budget(extra_bytes=10) == ["a"]  # without a preference: LRU order

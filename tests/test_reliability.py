@@ -123,7 +123,7 @@ class _FakeDraft:
     def __init__(self) -> None:
         self.timeouts: list[float | None] = []
 
-    async def propose(self, session_id, commit, k, sampling, min_draft_prob, timeout_s):
+    async def propose(self, session_id, commit, k, sampling, min_draft_prob, timeout_s, slot=0, fork_from=None):
         self.timeouts.append(timeout_s)
         return DraftReply([7] * k, [0.9] * k, commit.cache_len + len(commit.append_tokens) + k - 1, 1.0, 0)
 
@@ -317,7 +317,7 @@ async def test_sigterm_drains_in_flight_requests(tmp_path) -> None:
 
 
 async def test_fresh_worker_checks_the_budget_on_its_first_request() -> None:
-    from specdec.worker_core import estimate_kv_bytes_per_token
+    from specdec.models import estimate_kv_bytes_per_token
     from tests.stack import cached_model
     assert estimate_kv_bytes_per_token(cached_model("tiny:seed=0").model) == 512  # 2 x 2 layers x 2 heads x 16 x 4 B
     stack = await start_stack(worker_limits=StoreLimits(max_bytes=32 * 1024, ttl_s=600))

@@ -174,7 +174,7 @@ class _SlowOnceDraft:
     def __init__(self) -> None:
         self.commits: list[Any] = []
 
-    async def propose(self, session_id, commit, k, sampling, min_draft_prob, timeout_s):
+    async def propose(self, session_id, commit, k, sampling, min_draft_prob, timeout_s, slot=0, fork_from=None):
         self.commits.append(commit)
         if len(self.commits) == 2:
             raise DeadlineExceeded("draft call took longer than the draft timeout")

@@ -5,9 +5,12 @@ devices, and the orchestrator adds a one-way delay to every worker call (a gRPC 
 the traffic stays on 127.0.0.1). For each one-way latency, three systems run the same prompts,
 round-robin per prompt, in one run:
 
-  target-only   fixed k = 0
-  serial        the server's k policy, rounds one after the other
-  pipelined     the same policy, the draft drafting round n+1 during round n's verify
+  target-only            fixed k = 0
+  serial                 the server's k policy, rounds one after the other
+  pipelined-no-branches  the same policy, the draft drafting round n+1 during round n's verify
+                         on the assumption that round n is fully accepted
+  pipelined              the same, plus branch pre-drafts for the likeliest rejections
+                         (pipeline_branches, the server's default)
 
 Reported per latency: tok/s, ratios, the pre-draft hit rate, the draft time hits saved, and target
 capacity (the target's busy fraction: verify compute / wall time). A plot of tok/s against latency.
@@ -26,7 +29,9 @@ from typing import Any
 from specdec.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parents[2]
-SYSTEMS = {"target-only": {"fixed_k": 0}, "serial": {"pipeline": False}, "pipelined": {"pipeline": True}}
+SYSTEMS = {"target-only": {"fixed_k": 0}, "serial": {"pipeline": False},
+           "pipelined-no-branches": {"pipeline": True, "pipeline_branches": 0}, "pipelined": {"pipeline": True}}
+PIPELINED = ("pipelined-no-branches", "pipelined")
 
 
 @dataclass
@@ -41,6 +46,7 @@ class NetRun:
     misses: int
     saved_ms: float
     token_ids: list[int]
+    branch_hits: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -68,7 +74,8 @@ async def _runs(address: str, latency: float, prompts: list[dict], max_new: int)
                 wall = time.perf_counter() - start
                 s = reply.stats
                 runs.append(NetRun(latency, name, prompt["id"], s.new_tokens, wall, s.verify_ms, s.predraft_hits,
-                                   s.predraft_misses, s.predraft_saved_ms, list(reply.token_ids)))
+                                   s.predraft_misses, s.predraft_saved_ms, list(reply.token_ids),
+                                   s.predraft_branch_hits))
                 print(f"  one-way {latency:g} ms, {prompt['id']}, {name}: {runs[-1].tokens_per_s:.2f} tok/s", flush=True)
     return runs
 
@@ -77,7 +84,7 @@ def summarize(runs: list[NetRun]) -> list[dict[str, Any]]:
     rows = []
     for latency in sorted({r.latency_ms for r in runs}):
         at = [r for r in runs if r.latency_ms == latency]
-        by = {name: [r for r in at if r.system == name] for name in SYSTEMS}
+        by = {name: rs for name in SYSTEMS if (rs := [r for r in at if r.system == name])}
         base = {r.prompt: r for r in by["target-only"]}
         serial = {r.prompt: r for r in by["serial"]}
         row: dict[str, Any] = {"one_way_ms": latency}
@@ -86,12 +93,15 @@ def summarize(runs: list[NetRun]) -> list[dict[str, Any]]:
             row[f"{name}_target_busy"] = sum(r.verify_ms for r in rs) / max(1e-9, 1000 * sum(r.wall_s for r in rs))
             row[f"{name}_vs_target_only"] = statistics.median(
                 r.tokens_per_s / base[r.prompt].tokens_per_s for r in rs if r.prompt in base)
-        piped = by["pipelined"]
-        row["pipelined_vs_serial"] = statistics.median(
-            r.tokens_per_s / serial[r.prompt].tokens_per_s for r in piped if r.prompt in serial)
-        hits, misses = sum(r.hits for r in piped), sum(r.misses for r in piped)
-        row["hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
-        row["saved_ms_per_request"] = statistics.mean(r.saved_ms for r in piped)
+            if name not in PIPELINED:
+                continue
+            prefix = "" if name == "pipelined" else f"{name}_"
+            row[f"{name}_vs_serial"] = statistics.median(
+                r.tokens_per_s / serial[r.prompt].tokens_per_s for r in rs if r.prompt in serial)
+            hits, misses = sum(r.hits for r in rs), sum(r.misses for r in rs)
+            row[f"{prefix}hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
+            row[f"{prefix}branch_hit_share"] = sum(r.branch_hits for r in rs) / hits if hits else 0.0
+            row[f"{prefix}saved_ms_per_request"] = statistics.mean(r.saved_ms for r in rs)
         # Greedy: every system must produce the same tokens.
         row["identical"] = all(r.token_ids == base[r.prompt].token_ids for r in at if r.prompt in base)
         rows.append(row)
@@ -99,16 +109,26 @@ def summarize(runs: list[NetRun]) -> list[dict[str, Any]]:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| one-way latency | target-only tok/s | serial tok/s (vs target-only) | pipelined tok/s (vs "
-             "target-only) | pipelined / serial | hit rate | saved per request | target busy: k=0 / serial / "
-             "pipelined | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| one-way latency | target-only tok/s | serial tok/s (vs target-only) | pipelined, no branches "
+             "(vs target-only) | pipelined with branches (vs target-only) | pipelined / serial: no branches, "
+             "branches | hit rate: no branches, branches (from a branch) | saved per request: no branches, "
+             "branches | target busy: k=0 / serial / pipelined | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(r: dict[str, Any], fmt: str, *keys: str) -> str:
+        return ", ".join(format(r[k], fmt) if k in r else "-" for k in keys)
     for r in rows:
+        pipes = {name: (f"{r[name + '_tok_s']:.2f} ({r[name + '_vs_target_only']:.2f}x)" if name + "_tok_s" in r
+                        else "-") for name in PIPELINED}
         lines.append(
             f"| {r['one_way_ms']:g} ms | {r['target-only_tok_s']:.2f} | {r['serial_tok_s']:.2f} "
-            f"({r['serial_vs_target_only']:.2f}x) | {r['pipelined_tok_s']:.2f} ({r['pipelined_vs_target_only']:.2f}x) "
-            f"| {r['pipelined_vs_serial']:.2f}x | {r['hit_rate']:.0%} | {r['saved_ms_per_request']:.0f} ms | "
-            f"{r['target-only_target_busy']:.0%} / {r['serial_target_busy']:.0%} / {r['pipelined_target_busy']:.0%} "
-            f"| {'yes' if r['identical'] else 'NO'} |")
+            f"({r['serial_vs_target_only']:.2f}x) | {pipes['pipelined-no-branches']} | {pipes['pipelined']} "
+            f"| {cell(r, '.2f', 'pipelined-no-branches_vs_serial', 'pipelined_vs_serial')} "
+            f"| {cell(r, '.0%', 'pipelined-no-branches_hit_rate', 'hit_rate')} "
+            f"({cell(r, '.0%', 'branch_hit_share')}) "
+            f"| {cell(r, '.0f', 'pipelined-no-branches_saved_ms_per_request', 'saved_ms_per_request')} ms "
+            f"| {r['target-only_target_busy']:.0%} / {r['serial_target_busy']:.0%} / "
+            f"{cell(r, '.0%', 'pipelined_target_busy')} | {'yes' if r['identical'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -119,7 +139,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [r["one_way_ms"] for r in rows]
     for name in SYSTEMS:
-        ax.plot(xs, [r[f"{name}_tok_s"] for r in rows], marker="o", label=name)
+        if all(f"{name}_tok_s" in r for r in rows):
+            ax.plot(xs, [r[f"{name}_tok_s"] for r in rows], marker="o", label=name)
     ax.set_xlabel("injected one-way latency per RPC (ms)")
     ax.set_ylabel("tokens/s (median over prompts)")
     ax.set_title("Pipelined vs serial rounds, workers on disjoint cores")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/worker.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x9e\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x17.specdec.v1.CacheCommit\x12\t\n\x01k\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0emin_draft_prob\x18\x05 \x01(\x02\"\xb3\x01\n\x0fProposeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12)\n\x01q\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x13\n\x0btoken_probs\x18\x03 \x03(\x02\x12\x11\n\tcache_len\x18\x04 \x01(\r\x12(\n\x06timing\x18\x05 \x01(\x0b\x32\x18.specdec.v1.WorkerTiming\x12\x13\n\x0b\x63onfidences\x18\x06 \x03(\x02\"\xbb\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x17.specdec.v1.CacheCommit\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12)\n\x01q\x18\x04 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"w\n\x0eVerifyResponse\x12\x14\n\x0c\x61\x63\x63\x65pted_len\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x11\n\tcache_len\x18\x03 \x01(\r\x12(\n\x06timing\x18\x04 \x01(\x0b\x32\x18.specdec.v1.WorkerTiming2\xdd\x01\n\x0b\x44raftWorker\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponse\x12=\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x16.specdec.v1.WorkerInfo2\xdb\x01\n\x0cTargetWorker\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponse\x12=\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x16.specdec.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/worker.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xd2\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x17.specdec.v1.CacheCommit\x12\t\n\x01k\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0emin_draft_prob\x18\x05 \x01(\x02\x12\x0c\n\x04slot\x18\x06 \x01(\r\x12\x16\n\tfork_from\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_fork_from\"\xe8\x01\n\x0fProposeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12)\n\x01q\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x13\n\x0btoken_probs\x18\x03 \x03(\x02\x12\x11\n\tcache_len\x18\x04 \x01(\r\x12(\n\x06timing\x18\x05 \x01(\x0b\x32\x18.specdec.v1.WorkerTiming\x12\x13\n\x0b\x63onfidences\x18\x06 \x03(\x02\x12\x12\n\nalt_tokens\x18\x07 \x03(\x05\x12\x11\n\talt_probs\x18\x08 \x03(\x02\x12\x0c\n\x04slot\x18\t \x01(\r\"\xbb\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x17.specdec.v1.CacheCommit\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12)\n\x01q\x18\x04 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"w\n\x0eVerifyResponse\x12\x14\n\x0c\x61\x63\x63\x65pted_len\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x11\n\tcache_len\x18\x03 \x01(\r\x12(\n\x06timing\x18\x04 \x01(\x0b\x32\x18.specdec.v1.WorkerTiming2\xdd\x01\n\x0b\x44raftWorker\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponse\x12=\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x16.specdec.v1.WorkerInfo2\xdb\x01\n\x0cTargetWorker\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponse\x12=\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x16.specdec.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPARSEDISTRIBUTION']._serialized_start=64
   _globals['_SPARSEDISTRIBUTION']._serialized_end=118
   _globals['_PROPOSEREQUEST']._serialized_start=121
-  _globals['_PROPOSEREQUEST']._serialized_end=279
-  _globals['_PROPOSERESPONSE']._serialized_start=282
-  _globals['_PROPOSERESPONSE']._serialized_end=461
-  _globals['_VERIFYREQUEST']._serialized_start=464
-  _globals['_VERIFYREQUEST']._serialized_end=651
-  _globals['_VERIFYRESPONSE']._serialized_start=653
-  _globals['_VERIFYRESPONSE']._serialized_end=772
-  _globals['_DRAFTWORKER']._serialized_start=775
-  _globals['_DRAFTWORKER']._serialized_end=996
-  _globals['_TARGETWORKER']._serialized_start=999
-  _globals['_TARGETWORKER']._serialized_end=1218
+  _globals['_PROPOSEREQUEST']._serialized_end=331
+  _globals['_PROPOSERESPONSE']._serialized_start=334
+  _globals['_PROPOSERESPONSE']._serialized_end=566
+  _globals['_VERIFYREQUEST']._serialized_start=569
+  _globals['_VERIFYREQUEST']._serialized_end=756
+  _globals['_VERIFYRESPONSE']._serialized_start=758
+  _globals['_VERIFYRESPONSE']._serialized_end=877
+  _globals['_DRAFTWORKER']._serialized_start=880
+  _globals['_DRAFTWORKER']._serialized_end=1101
+  _globals['_TARGETWORKER']._serialized_start=1104
+  _globals['_TARGETWORKER']._serialized_end=1323
 # @@protoc_insertion_point(module_scope)
