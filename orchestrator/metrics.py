@@ -44,6 +44,8 @@ class OrchestratorMetrics:
                                     "the policy's k; off: k forced to 0 for the whole pair)", ["mode"], registry=r)
         self.predraft_saved = Counter("specdec_predraft_saved_seconds", "Draft time that pipelined rounds "
                                       "did not wait for", registry=r)
+        self.predraft_branch_hits = Counter("specdec_predraft_branch_hits", "Of the pre-draft hits, those whose "
+                                            "drafts came from a branch (the correction guessed right)", registry=r)
 
     def observe(self, record: RoundRecord) -> None:
         self.rounds.inc()
@@ -67,6 +69,8 @@ class OrchestratorMetrics:
         if record.predraft_hit is not None:
             self.predrafts.labels(outcome="hit" if record.predraft_hit else "miss").inc()
             self.predraft_saved.inc(record.predraft_saved_ms / 1000)
+            if record.predraft_hit and record.predraft_branch_hit:
+                self.predraft_branch_hits.inc()
         if record.reprefills:
             self.reprefills.inc(record.reprefills)
         if record.guard:

@@ -260,13 +260,15 @@ def test_metrics_count_predraft_outcomes_and_saved_time() -> None:
     from orchestrator.metrics import OrchestratorMetrics
     metrics = OrchestratorMetrics()
 
-    def record(hit: bool | None, saved: float) -> RoundRecord:
+    def record(hit: bool | None, saved: float, branch: bool | None = None) -> RoundRecord:
         return RoundRecord("s", 2, 0, "cost", 3, (1, 2, 3), (), (), 3, (1, 2, 3, 4), "", None, False, True,
-                           40.0, 10.0, 100.0, 101.0, 105.0, 1, 1, 0, 0, predraft_hit=hit, predraft_saved_ms=saved)
-    for hit, saved in ((True, 30.0), (True, 20.0), (False, 0.0), (None, 0.0)):
-        metrics.observe(record(hit, saved))
+                           40.0, 10.0, 100.0, 101.0, 105.0, 1, 1, 0, 0, predraft_hit=hit, predraft_saved_ms=saved,
+                           predraft_branch_hit=branch)
+    for hit, saved, branch in ((True, 30.0, None), (True, 20.0, True), (False, 0.0, False), (None, 0.0, True)):
+        metrics.observe(record(hit, saved, branch))
     value = metrics.registry.get_sample_value
     assert value("specdec_predrafts_total", {"outcome": "hit"}) == 2
+    assert value("specdec_predraft_branch_hits_total") == 1
     assert value("specdec_predrafts_total", {"outcome": "miss"}) == 1
     assert value("specdec_predraft_saved_seconds_total") == pytest.approx(0.05)
 
