@@ -85,7 +85,7 @@ class GenerationStats:
             self.predraft_hits += int(record.predraft_hit)
             self.predraft_misses += int(not record.predraft_hit)
             self.predraft_saved_ms += record.predraft_saved_ms
-        self.predraft_branch_hits += int(record.predraft_hit is True and record.predraft_branch_hit is True)
+        self.predraft_branch_hits += int(record.hit_from_branch)
         if record.index == 1:
             # What the target really reused of this turn's prompt (0 after a re-prefill).
             self.cached_prompt_tokens = record.target_cached

@@ -31,13 +31,14 @@ class DraftReply:
     bytes_received: int = 0
     wall_ms: float = 0.0
 
-    def after_first(self) -> "DraftReply":
-        """The drafts after the first: what a pre-draft offers once the target has confirmed its first
-        token (the draft's guess of the bonus token)."""
+    def window(self, start: int, stop: int | None) -> "DraftReply":
+        """The drafts [start:stop], with every per-position field cut alike (a pre-draft's after its
+        bonus guess, cut to the next round's k)."""
         q = self.q_payload
-        return dataclasses.replace(self, tokens=self.tokens[1:], token_probs=self.token_probs[1:],
-                                   confidences=self.confidences[1:], alternatives=self.alternatives[1:],
-                                   q_payload=list(q)[1:] if q is not None and len(q) else q)
+        return dataclasses.replace(self, tokens=self.tokens[start:stop], token_probs=self.token_probs[start:stop],
+                                   confidences=self.confidences[start:stop],
+                                   alternatives=self.alternatives[start:stop],
+                                   q_payload=list(q)[start:stop] if q is not None and len(q) else q)
 
 
 @dataclass

@@ -12,8 +12,8 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import replace
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from orchestrator.api import EngineLimits, GenerateParams, GenerationEvent, GenerationStats

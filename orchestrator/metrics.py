@@ -69,7 +69,7 @@ class OrchestratorMetrics:
         if record.predraft_hit is not None:
             self.predrafts.labels(outcome="hit" if record.predraft_hit else "miss").inc()
             self.predraft_saved.inc(record.predraft_saved_ms / 1000)
-            if record.predraft_hit and record.predraft_branch_hit:
+            if record.hit_from_branch:
                 self.predraft_branch_hits.inc()
         if record.reprefills:
             self.reprefills.inc(record.reprefills)

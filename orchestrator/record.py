@@ -58,6 +58,11 @@ class RoundRecord:
         return len(self.drafts)
 
     @property
+    def hit_from_branch(self) -> bool:
+        """This round's drafts came from a branch pre-draft (a hit whose correction was guessed)."""
+        return bool(self.predraft_hit and self.predraft_branch_hit)
+
+    @property
     def steady(self) -> bool:
         return is_steady(self.draft_prefilled, self.target_prefilled)
 

@@ -204,7 +204,7 @@ class Round:
             depth = min(len(drafts) + 1, self.max_k, self.stop.remaining - len(drafts) - 2) + 1
             self._start_predraft(canonical + drafts, depth)
             if self.branches and reply is not None:
-                self._start_branches(canonical, drafts, reply)
+                self._start_branches(canonical, drafts, reply, depth)
         verify = await self._verify(drafts, reply.q_payload if reply else None, calls)
         if self._ahead is not None and verify.accepted_len < len(drafts):
             # A rejection: the pre-draft's assumption failed. Stop it now rather than wait for it.
@@ -286,7 +286,7 @@ class Round:
             if got is not None and got.tokens:
                 # The branch's slot holds the session's text now: the next calls go there.
                 self.session.draft_slot = branch.slot
-                return self._first_k(got, k), True, max(0.0, got.wall_ms - waited_ms), True
+                return got.window(0, k), True, max(0.0, got.wall_ms - waited_ms), True
             branch_hit = None  # it failed or drafted nothing: nothing was tested
         if ahead is not None and ahead.rejected:
             return None, False, 0.0, branch_hit
@@ -294,16 +294,7 @@ class Round:
             return None, None, 0.0, branch_hit
         if self.session.tokens != ahead.assumed + [pre.tokens[0]]:
             return None, False, 0.0, branch_hit
-        return self._first_k(pre.after_first(), k), True, max(0.0, pre.wall_ms - waited_ms), branch_hit
-
-    @staticmethod
-    def _first_k(reply: DraftReply, k: int) -> DraftReply:
-        """A pre-drafted reply cut to this round's k."""
-        usable = dataclasses.replace(reply, tokens=reply.tokens[:k], token_probs=reply.token_probs[:k],
-                                     confidences=reply.confidences[:k], alternatives=reply.alternatives[:k])
-        if usable.q_payload is not None and len(usable.q_payload):
-            usable.q_payload = list(usable.q_payload)[:k]
-        return usable
+        return pre.window(1, 1 + k), True, max(0.0, pre.wall_ms - waited_ms), branch_hit
 
     @staticmethod
     def _add_calls(total: _Calls, part: _Calls) -> None:
@@ -317,14 +308,13 @@ class Round:
             return None
         return task.result()
 
-    def _start_branches(self, canonical: list[int], drafts: list[int], reply: DraftReply) -> None:
+    def _start_branches(self, canonical: list[int], drafts: list[int], reply: DraftReply, main_depth: int) -> None:
         """Pre-draft on up to `branches` free slots, as many as the draft can run beside the main
         pre-draft within the verify (kpolicy.branch_budget), at the likeliest rejections
         (branch_points), each as deep as the main pre-draft."""
         free = [slot for slot in range(self.branches + 1) if slot != self.session.draft_slot]
         source = self.session.draft_slot
-        depth = min(len(drafts) + 1, self.max_k, self.stop.remaining - len(drafts) - 2) + 1
-        budget = branch_budget(self.session.stats.timing, len(drafts), depth, self.branches)
+        budget = branch_budget(self.session.stats.timing, len(drafts), main_depth, self.branches)
         points = branch_points(drafts, reply.token_probs, reply.alternatives, self.stop.remaining, budget)
         for (j, alt), slot in zip(points, free):
             assumed = canonical + drafts[:j] + [alt]

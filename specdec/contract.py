@@ -36,6 +36,11 @@ def slot_key(session_id: str, slot: int) -> str:
     return session_id if slot == 0 else f"{session_id}\x00{slot}"
 
 
+def is_branch_key(key: str) -> bool:
+    """Whether a worker's key (slot_key) names a branch slot rather than a session's own cache."""
+    return "\x00" in key
+
+
 def validate_session_id(session_id: str) -> None:
     if not session_id or len(session_id) > MAX_SESSION_ID_LEN or not session_id.isprintable():
         raise InvalidRequest(f"session_id must be 1-{MAX_SESSION_ID_LEN} printable characters")

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from specdec.contract import (MAX_BRANCH_SLOTS, CallStats, CallTimer, Commit, CostCurve, prefix_hash, slot_key,
-                              validate_session_id)
+from specdec.contract import (MAX_BRANCH_SLOTS, CallStats, CallTimer, Commit, CostCurve, is_branch_key, prefix_hash,
+                              slot_key, validate_session_id)
 from specdec.errors import CacheMismatch, CapacityExceeded, InvalidRequest, SessionNotFound
 from specdec.models import LoadedModel, cache_nbytes, copy_cache, crop_cache, estimate_kv_bytes_per_token, new_cache
 from specdec.session_store import SessionStore
@@ -276,7 +276,7 @@ class WorkerCore:
         needed = total_tokens * self._bytes_per_token - current_bytes
         self.store.pin(session_id)
         try:
-            self.store.enforce_budget(extra_bytes=max(0, needed), first=lambda key: "\x00" in key)  # branches first
+            self.store.enforce_budget(extra_bytes=max(0, needed), first=is_branch_key)  # branches first
             if not self.store.fits(total_tokens * self._bytes_per_token, exclude=session_id):
                 raise CapacityExceeded(
                     f"{self.role} worker KV budget of {self.store.max_bytes} bytes cannot hold "

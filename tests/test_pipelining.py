@@ -507,14 +507,15 @@ async def test_a_draft_that_ignores_slots_turns_branches_off() -> None:
 
 
 def test_branch_copies_are_evicted_before_sessions() -> None:
+    from specdec.contract import is_branch_key, slot_key
     from specdec.session_store import SessionStore
 
     class Item:
         def nbytes(self) -> int:
             return 10
     store: SessionStore[Item] = SessionStore(max_bytes=30, ttl_s=60.0)
-    for key in ("a", "a\x001", "b", "b\x002"):
+    for key in ("a", slot_key("a", 1), "b", slot_key("b", 2)):
         store.put(key, Item())
-    assert store.enforce_budget(first=lambda key: "\x00" in key) == ["a\x001"]
-    assert "a" in store and "b" in store and "b\x002" in store
+    assert store.enforce_budget(first=is_branch_key) == [slot_key("a", 1)]
+    assert "a" in store and "b" in store and slot_key("b", 2) in store
     assert store.enforce_budget(extra_bytes=10) == ["a"]  # without a preference: LRU order
