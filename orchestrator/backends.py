@@ -55,6 +55,7 @@ class VerifyReply:
     batch_sessions: float = 1.0
     batch_rows: float = 0.0
     worker_waiting: int = 0
+    batch_prompt_rows: float = 0.0  # of batch_rows, prompts' rows (prefills sharing the forward)
 
 
 @dataclass

@@ -50,6 +50,7 @@ class RoundRecord:
     target_batch: float = 1.0
     target_rows: float = 0.0
     target_waiting: int = 0
+    target_prompt_rows: float = 0.0  # of target_rows, prompts' rows (other sessions' prefills, or its own)
     # The pair guard's epoch this round ran in: "spec", "off" (k forced to 0), or "" (not guarded).
     guard: str = ""
 

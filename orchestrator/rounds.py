@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.backends import DraftBackend, DraftReply, TargetBackend, VerifyReply
-from orchestrator.guard import GuardTicket, PairGuard
+from orchestrator.guard import GuardTicket, PairGuard, without_prompt_rows
 from orchestrator.kpolicy import branch_budget
 from orchestrator.record import RoundRecord
 from orchestrator.sessions import OrchestratorSession, WorkerView
@@ -170,7 +170,10 @@ class Round:
         except BaseException:
             guard.abandon(ticket)
             raise
-        guard.observe(ticket, len(record.emitted), record.round_ms, record.steady, record.drafted > 0)
+        # Other sessions' prompts in the verify's forward are not this mode's cost (see the guard's doc).
+        round_ms = without_prompt_rows(record.round_ms, record.verify_ms, record.target_rows,
+                                       record.target_prompt_rows, self.session.stats.timing.load.forward_ms)
+        guard.observe(ticket, len(record.emitted), round_ms, record.steady, record.drafted > 0)
         return dataclasses.replace(record, guard=ticket.mode)
 
     async def run(self, k: int) -> RoundRecord:
@@ -231,7 +234,8 @@ class Round:
             bytes_to_target=calls.bytes_to_target, bytes_from_target=calls.bytes_from_target,
             predraft_hit=hit, predraft_saved_ms=saved_ms, predraft_branch_hit=branch_hit,
             draft_wall_ms=reply.wall_ms if reply else 0.0,
-            target_batch=verify.batch_sessions, target_rows=verify.batch_rows, target_waiting=verify.worker_waiting)
+            target_batch=verify.batch_sessions, target_rows=verify.batch_rows, target_waiting=verify.worker_waiting,
+            target_prompt_rows=verify.batch_prompt_rows)
 
     # ------------------------------------------------------------------ pipelining
     def _start_predraft(self, assumed: list[int], k: int) -> None:

@@ -43,6 +43,7 @@ class RoundTrace:
     target_batch: float = 1.0
     target_rows: float = 0.0
     target_waiting: int = 0
+    target_prompt_rows: float = 0.0  # of target_rows, prompts' rows (0 in traces recorded before it)
     guard: str = ""  # the pair guard's epoch: "spec", "off" (k forced to 0), "" (not guarded)
     emitted: int = -1  # tokens the round added to the output (-1 in older traces: accepted + 1 stands in)
 
@@ -80,7 +81,8 @@ class TraceWriter:
             greedy=record.greedy, fallback=record.fallback, draft_token_ms=round(record.draft_token_ms, 3),
             draft_confidences=[round(p, 5) for p in record.draft_confidences],
             target_batch=round(record.target_batch, 2), target_rows=round(record.target_rows, 1),
-            target_waiting=record.target_waiting, guard=record.guard, emitted=len(record.emitted)))
+            target_waiting=record.target_waiting, target_prompt_rows=round(record.target_prompt_rows, 1),
+            guard=record.guard, emitted=len(record.emitted)))
 
     def write(self, trace: RoundTrace) -> None:
         line = json.dumps(asdict(trace), separators=(",", ":"))

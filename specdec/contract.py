@@ -128,6 +128,7 @@ class CallStats:
     batch_rows: float = 0.0
     worker_utilisation: float = 0.0
     worker_waiting: int = 0
+    batch_prompt_rows: float = 0.0
 
     def to_pb(self) -> common_pb2.WorkerTiming:
         return common_pb2.WorkerTiming(compute_ms=self.compute_ms, fed_tokens=self.fed_tokens,
@@ -135,14 +136,15 @@ class CallStats:
                                        draft_steps=self.draft_steps, queue_ms=self.queue_ms,
                                        batch_sessions=self.batch_sessions, batch_rows=self.batch_rows,
                                        worker_utilisation=self.worker_utilisation,
-                                       worker_waiting=self.worker_waiting)
+                                       worker_waiting=self.worker_waiting, batch_prompt_rows=self.batch_prompt_rows)
 
     @classmethod
     def from_pb(cls, msg: common_pb2.WorkerTiming) -> "CallStats":
         return cls(compute_ms=msg.compute_ms, fed_tokens=msg.fed_tokens, prefilled_tokens=msg.prefilled_tokens,
                    catchup_ms=msg.catchup_ms, draft_steps=msg.draft_steps, queue_ms=msg.queue_ms,
                    batch_sessions=msg.batch_sessions, batch_rows=msg.batch_rows,
-                   worker_utilisation=msg.worker_utilisation, worker_waiting=msg.worker_waiting)
+                   worker_utilisation=msg.worker_utilisation, worker_waiting=msg.worker_waiting,
+                   batch_prompt_rows=msg.batch_prompt_rows)
 
 
 @dataclass(frozen=True)

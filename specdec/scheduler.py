@@ -24,6 +24,13 @@ Rules:
 - A short window (`window_ms`) lets calls that are due (sessions that just finished a call and
   usually come back about now) join the next forward, so that streams in step share forwards instead
   of alternating. It is never waited when nobody is expected, so a single stream pays nothing.
+- Shared compute (`shared_compute`: the draft and the target on the same cores): the window is a
+  whole forward's time. While this worker waits, the other one computes on the same cores, so the
+  wait costs little, and a forward that takes the sessions still drafting along saves one forward's
+  fixed cost (on a CPU, streaming the weights). The sessions then run in step, all drafting, then
+  all verifying (gang scheduling), instead of splitting into groups whose forwards alternate and
+  each pay the fixed cost, and whose draft and verify contend for the cores. On separate devices
+  this stays off: there two groups alternating keep both devices busy.
 
 Over 300 lines: admission, fairness, deadlines and the load figures all read the same active and
 waiting sets under one lock; split apart, each would need its own view of them.
@@ -65,6 +72,7 @@ class BatchLimits:
     window_ms: float = 20.0       # cap on waiting for due calls to join a forward (also <= 10% of a forward)
     max_queue: int = 64           # calls waiting for a slot; more get RESOURCE_EXHAUSTED
     prefill_chunk: int = 64       # prompt rows per forward while other calls share it; 0 = whole prompts
+    shared_compute: bool = False  # the other worker of the pair runs on these cores: wait up to a forward for due calls
 
     def validate(self) -> None:
         if (self.max_batch < 1 or self.max_batch_tokens < 1 or self.max_queue < 0 or self.window_ms < 0
@@ -96,6 +104,9 @@ class CallLoad:
     forwards: int = 0
     batch_sessions: int = 0   # summed over the call's forwards
     batch_rows: int = 0       # summed over the call's forwards
+    # Of those rows, the prompt rows (prefill steps and their chunks), summed over the call's forwards:
+    # what a steady call's time owes to the prompts it shared forwards with.
+    batch_prompt_rows: int = 0
 
     @property
     def mean_batch(self) -> float:
@@ -104,6 +115,10 @@ class CallLoad:
     @property
     def mean_rows(self) -> float:
         return self.batch_rows / self.forwards if self.forwards else 0.0
+
+    @property
+    def mean_prompt_rows(self) -> float:
+        return self.batch_prompt_rows / self.forwards if self.forwards else 0.0
 
 
 @dataclass
@@ -126,6 +141,8 @@ class _Job:
     steps: Steps | None = None
     pending: Any = None
     pending_since: float = 0.0
+    chunked: bool = False  # its pending step is the rest of a prompt split by chunked prefill
+    ends_session: bool = False
 
 
 class BatchScheduler:
@@ -158,9 +175,10 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ API (any thread)
     def submit(self, session_id: str, make_steps: Callable[[], Steps],
-               timeout_s: float | None = None) -> tuple[Future, CallLoad]:
+               timeout_s: float | None = None, ends_session: bool = False) -> tuple[Future, CallLoad]:
         """Queue a call; make_steps() is called on the model thread when the call is admitted. The
-        CallLoad fills in as the call runs (read it once the future is done)."""
+        CallLoad fills in as the call runs (read it once the future is done). ends_session: the
+        session will not come back (EndSession), so no forward waits for it."""
         now = self._clock()
         with self._cond:
             if self._closed:
@@ -171,7 +189,8 @@ class BatchScheduler:
                 raise QueueFull(f"worker busy: {len(self._active)} calls in the batch and {len(self._waiting)} "
                                 f"waiting (max_queue {self.limits.max_queue}); retry after ~{retry_ms} ms",
                                 retry_ms)
-            job = _Job(session_id, make_steps, None if timeout_s is None else now + timeout_s, now)
+            job = _Job(session_id, make_steps, None if timeout_s is None else now + timeout_s, now,
+                       ends_session=ends_session)
             self._waiting.append(job)
             self._cond.notify_all()
         return job.future, job.load
@@ -222,9 +241,12 @@ class BatchScheduler:
             self._fail(job, WorkerUnavailable("worker is shutting down"))
 
     def _window_s(self) -> float:
-        """window_ms caps it; a tenth of the recent forward time bounds what waiting may cost."""
+        """window_ms caps it; a tenth of the recent forward time bounds what waiting may cost. With
+        shared compute, a whole forward's time (the other worker uses the cores meanwhile)."""
         cap = self.limits.window_ms / 1000.0
-        return cap if self.forwards == 0 else min(cap, 0.1 * self._step_s)
+        if self.forwards == 0:
+            return cap
+        return max(cap, self._step_s) if self.limits.shared_compute else min(cap, 0.1 * self._step_s)
 
     def _wait_for_due_calls(self) -> None:
         """Hold the forward up to the window while calls that are due have not arrived (lock held)."""
@@ -241,13 +263,16 @@ class BatchScheduler:
         if len(self._waiting) + len(self._active) >= self.limits.max_batch:
             return 0
         now, window = self._clock(), self._window_s()
+        # Overdue past twice its gap and the window; with a forward-long window (shared compute), past
+        # 1.5 times its gap and the short window: a session whose turn ended must not hold a forward long.
+        overdue, late = (1.5, self.limits.window_ms / 1000.0) if self.limits.shared_compute else (2.0, window)
         present = {j.session_id for j in self._waiting} | {j.session_id for j in self._active}
         due = 0
         for sid, (ended, gap) in list(self._returns.items()):
             since = now - ended
             if since > max(10 * gap, 2.0):
                 del self._returns[sid]  # gone quiet: stop expecting it
-            elif sid not in present and gap > 0 and since + window >= gap and since <= 2 * gap + window:
+            elif sid not in present and gap > 0 and since + window >= gap and since <= overdue * gap + late:
                 due += 1  # it usually comes back within the window from now, and is not overdue
         return due
 
@@ -312,8 +337,9 @@ class BatchScheduler:
                 self._close_steps(job)
                 self._fail(job, DeadlineExceeded("deadline expired between forward steps"))
 
-    def _select(self) -> list[tuple[_Job, Any]]:
-        """The (call, step) pairs of the next forward: oldest step first, up to max_batch_tokens rows.
+    def _select(self) -> list[tuple[_Job, Any, bool]]:
+        """The (call, step, is a prompt) triples of the next forward: oldest step first, up to
+        max_batch_tokens rows. A prompt is a step longer than a decode step, or a chunk of one.
 
         Chunked prefill: while decode steps wait, they go first, and the steps longer than a decode
         step (a new turn's prompt, a re-prefill) get at most prefill_chunk rows of the forward between
@@ -328,30 +354,33 @@ class BatchScheduler:
         if chunking:  # decode steps first, so a prompt's chunk never crowds them out of the row cap
             ready = decoding + [j for j in ready if len(j.pending.tokens) > DECODE_STEP_ROWS]
         prefill_left = self.limits.prefill_chunk
-        batch: list[tuple[_Job, Any]] = []
+        batch: list[tuple[_Job, Any, bool]] = []
         rows = 0
         for job in ready:
             step = job.pending
             size = len(step.tokens)
+            prompt = size > DECODE_STEP_ROWS or job.chunked  # (a short rest of a prompt runs as a decode step)
             if chunking and size > DECODE_STEP_ROWS:
                 take = min(prefill_left, self.limits.max_batch_tokens - rows)
                 parts = step.split(take) if 0 < take < size and hasattr(step, "split") else None
                 if parts is not None:
                     head, job.pending = parts  # the rest stays pending, still the oldest prompt
+                    job.chunked = True
                     step, size = head, len(head.tokens)
                 elif size > take and batch:
                     continue  # no room for it in this forward's prompt budget: first in line next time
                 prefill_left = max(0, prefill_left - size)
             elif batch and rows + size > self.limits.max_batch_tokens:
                 continue  # a smaller step behind it may still fit; this one is oldest next time
-            batch.append((job, step))
+            batch.append((job, step, prompt))
             rows += size
         return batch
 
-    def _step(self, batch: list[tuple[_Job, Any]]) -> None:
-        steps = [step for _, step in batch]
+    def _step(self, batch: list[tuple[_Job, Any, bool]]) -> None:
+        steps = [step for _, step, _ in batch]
         rows = sum(len(s.tokens) for s in steps)
-        for job, step in batch:
+        prompt_rows = sum(len(step.tokens) for _, step, prompt in batch if prompt)
+        for job, step, _ in batch:
             if job.pending is step:
                 job.pending = None
         start = self._clock()
@@ -359,7 +388,7 @@ class BatchScheduler:
             outputs = self._forward(steps)
         except BaseException as exc:  # noqa: BLE001 - every call in the forward gets the error
             log.exception("batched forward over %d calls failed", len(batch))
-            for job, _ in batch:
+            for job, _, _ in batch:
                 self._close_steps(job)
                 self._fail(job, exc)
             return
@@ -370,12 +399,14 @@ class BatchScheduler:
             self._batch_ewma = len(batch) if self.forwards == 0 else 0.8 * self._batch_ewma + 0.2 * len(batch)
             self.forwards += 1
             self.batched_sessions += len(batch)
-            self.prefill_chunks += any(job.pending is not None for job, _ in batch)
-        for (job, _), output in zip(batch, outputs):
+            self.prefill_chunks += any(job.pending is not None for job, _, _ in batch)
+        for (job, _, _), output in zip(batch, outputs):
             job.load.forwards += 1
             job.load.batch_sessions += len(batch)
             job.load.batch_rows += rows
+            job.load.batch_prompt_rows += prompt_rows
             if job.pending is None:  # a prefill chunk's call keeps its rest pending: nothing to resume
+                job.chunked = False
                 self._advance(job, output)
 
     def _close_steps(self, job: _Job) -> None:
@@ -400,9 +431,10 @@ class BatchScheduler:
         with self._cond:
             if job in self._active:
                 self._active.remove(job)
-            previous = self._returns.get(job.session_id)
+            previous = self._returns.pop(job.session_id, None)
             now = self._clock()
-            self._returns[job.session_id] = (now, previous[1] if previous else 0.0)
+            if not job.ends_session:
+                self._returns[job.session_id] = (now, previous[1] if previous else 0.0)
             if len(self._returns) > 4 * (self.limits.max_batch + self.limits.max_queue):
                 for sid, (ended, gap) in list(self._returns.items()):  # bounded: forget quiet sessions
                     if now - ended > max(10 * gap, 2.0):

@@ -38,11 +38,11 @@ class WorkerServicerBase:
         self.scheduler = BatchScheduler(core.feed_many, limits, name=f"{core.role}-model")
 
     async def run_call(self, context: grpc.aio.ServicerContext, session_id: str,
-                       make_steps: Callable[[], Generator[ForwardStep, Any, T]]) -> T:
+                       make_steps: Callable[[], Generator[ForwardStep, Any, T]], ends_session: bool = False) -> T:
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             raise DeadlineExceeded("deadline expired before the worker started the call")
-        future, load = self.scheduler.submit(session_id, make_steps, remaining)
+        future, load = self.scheduler.submit(session_id, make_steps, remaining, ends_session=ends_session)
         result = await asyncio.wrap_future(future)  # cancelling the RPC cancels the queued call
         stats = getattr(result, "stats", None)
         if isinstance(stats, CallStats):
@@ -50,6 +50,7 @@ class WorkerServicerBase:
             stats.queue_ms = load.queue_ms
             stats.batch_sessions = load.mean_batch
             stats.batch_rows = load.mean_rows
+            stats.batch_prompt_rows = load.mean_prompt_rows
             stats.worker_utilisation = snapshot.utilisation
             stats.worker_waiting = snapshot.waiting
         return result
@@ -59,7 +60,7 @@ class WorkerServicerBase:
         def end() -> bool:
             validate_session_id(request.session_id)
             return self.core.end_session(request.session_id)
-        existed = await self.run_call(context, request.session_id, lambda: _without_forwards(end))
+        existed = await self.run_call(context, request.session_id, lambda: _without_forwards(end), ends_session=True)
         return common_pb2.EndSessionResponse(existed=existed)
 
     async def GetInfo(self, request: common_pb2.GetInfoRequest,
@@ -107,6 +108,11 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
                         help="the most a forward waits for calls that are due (sessions that usually come back "
                              "about now) to join it; also at most a tenth of the recent forward time, and never "
                              "when none is due")
+    parser.add_argument("--shared-compute", action="store_true",
+                        help="the pair's other worker runs on the same cores (both workers on one CPU, not pinned "
+                             "apart): a forward waits up to its own duration for due calls, so that the sessions "
+                             "draft together and verify together instead of contending in two alternating groups. "
+                             "Leave off where each worker has its own device or cores")
     parser.add_argument("--prefill-chunk", default="auto",
                         help="prompt rows per forward while other calls share it (chunked prefill), so that "
                              "their decode steps are not held up behind whole prompts; 0: whole prompts. auto: "
@@ -135,7 +141,8 @@ def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve()) 
         if prefill_chunk < 0:
             raise SystemExit(f"--prefill-chunk must be a number of rows (0: off) or auto, got {chunk!r}")
     return BatchLimits(max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
-                       window_ms=args.batch_window_ms, max_queue=args.max_queue, prefill_chunk=prefill_chunk)
+                       window_ms=args.batch_window_ms, max_queue=args.max_queue, prefill_chunk=prefill_chunk,
+                       shared_compute=args.shared_compute)
 
 
 def store_limits(args: argparse.Namespace) -> StoreLimits:

@@ -187,10 +187,22 @@ async def test_worker_timing_reports_the_batch() -> None:
             commit = common_pb2.CacheCommit(append_tokens=PROMPTS[i])
             return await stub.Verify(worker_pb2.VerifyRequest(session_id=f"t{i}", commit=commit,
                                                               draft_tokens=[7, 8]), timeout=30)
+        long_prompt = [random.Random(99).randrange(3, 250) for _ in range(50)]
         with slow_solo_forwards(stack.target.core.model, 100):
-            replies = await asyncio.gather(*(verify(i) for i in range(6)))
+            replies = await asyncio.gather(*(verify(i) for i in range(6)), stub.Verify(worker_pb2.VerifyRequest(
+                session_id="long", commit=common_pb2.CacheCommit(append_tokens=long_prompt), draft_tokens=[7]),
+                timeout=30))
+        *replies, long_reply = replies
+        # Steps of up to 33 rows are decode-sized; the 51-row one is a prompt, counted in its own
+        # forwards and in those of the calls that shared one with it (all of it, or a chunk).
+        assert long_reply.timing.batch_prompt_rows > 0
+        prompt_rows = [r.timing.batch_prompt_rows for r in replies]
+        assert all(0 <= rows <= 51 for rows in prompt_rows), prompt_rows
+        assert all(r.timing.batch_prompt_rows == 0 for r in replies if r.timing.batch_sessions == 1)
+        if long_reply.timing.batch_sessions > 1:  # it shared a forward: its neighbours saw its rows
+            assert max(prompt_rows) > 0, prompt_rows
         sizes = [r.timing.batch_sessions for r in replies]
-        assert all(1.0 <= s <= 6.0 for s in sizes) and max(sizes) > 1.0, sizes
+        assert all(1.0 <= s <= 7.0 for s in sizes) and max(sizes) > 1.0, sizes
         assert all(r.timing.batch_rows >= len(PROMPTS[i]) + 2 for i, r in enumerate(replies))
         assert all(r.timing.queue_ms >= 0.0 and 0.0 <= r.timing.worker_utilisation <= 1.0 for r in replies)
         info = await stub.GetInfo(common_pb2.GetInfoRequest())

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from orchestrator.config import SpeculationConfig, SpeculationConfigError, SpeculationOverride
-from orchestrator.guard import MEASUREMENT_COST, SPECULATE, TARGET_ONLY, GuardSettings, PairGuard
+from orchestrator.guard import (MEASUREMENT_COST, SPECULATE, TARGET_ONLY, GuardSettings, PairGuard,
+                               without_prompt_rows)
 from tests.stack import Stack, start_stack
 from tests.test_e2e_generate import reference_greedy
 
@@ -62,6 +63,39 @@ def test_where_target_only_wins_the_pair_stops_speculating_after_one_measurement
     off_ms = 50.0 * ks[32:].count(0)
     # The losing mode's share of the pair's time, about MEASUREMENT_COST / loss at most, falling.
     assert 0 < spec_ms / (spec_ms + off_ms) < MEASUREMENT_COST / 0.25, (spec_ms, off_ms)
+
+
+def _line_curve(rows: float) -> float:
+    return 8.0 + rows  # T(8) = 16, T(24) = 32: a forward's cost grows with its rows (a CPU)
+
+
+def test_a_round_is_priced_without_the_prompt_rows_that_shared_its_forward() -> None:
+    # 24 rows, 16 of them prompts: the forward would have cost half as much; 5 ms of the round were not the forward.
+    assert without_prompt_rows(105.0, 100.0, 24.0, 16.0, _line_curve) == pytest.approx(55.0)
+    assert without_prompt_rows(105.0, 100.0, 8.0, 0.0, _line_curve) == 105.0   # no prompt beside it
+    assert without_prompt_rows(105.0, 100.0, 16.0, 16.0, _line_curve) == 105.0  # its own prompt: not steady anyway
+    assert without_prompt_rows(105.0, 100.0, 24.0, 16.0, lambda rows: None) == 105.0  # no curve yet
+    flat = without_prompt_rows(105.0, 100.0, 24.0, 16.0, lambda rows: 50.0)
+    assert flat == 105.0  # a GPU's flat curve: the prompt rows cost nothing, nothing to take out
+
+
+def test_a_target_only_probe_that_caught_a_wave_of_prompts_is_priced_without_them() -> None:
+    """Seen on a 2-core CPU at 8 closed-loop streams: the target-only probe ran while every stream's
+    next request arrived, its forwards carried their prompt chunks, it measured 0.79 tok/s per session
+    against 1.2 steady, and speculation (0.95) stayed on. Speculating here makes 2 tokens per 130 ms,
+    target-only 1 per 50 ms steady; during the probe each forward also ran 16 prompt rows (105 ms)."""
+    def run(adjusted: bool) -> PairGuard:
+        guard = PairGuard(GuardSettings(spec_rounds=16, off_rounds=8, rounds_per_session=0))
+        for _ in range(200):
+            ticket = guard.decide()
+            if ticket.mode == SPECULATE:
+                guard.observe(ticket, 2, 130.0, steady=True, drafted=True)
+                continue
+            round_ms = without_prompt_rows(105.0, 100.0, 24.0, 16.0, _line_curve) if adjusted else 105.0
+            guard.observe(ticket, 1, round_ms, steady=True, drafted=False)
+        return guard
+    assert not run(adjusted=True).speculation_wins  # 1 per 55 ms beats 2 per 130 ms
+    assert run(adjusted=False).speculation_wins     # the wave's 1 per 105 ms would not have
 
 
 def test_the_guard_follows_a_change_of_winner_both_ways(caplog: pytest.LogCaptureFixture) -> None:

@@ -281,6 +281,87 @@ def test_window_waits_only_for_sessions_that_are_due() -> None:
         scheduler.close()
 
 
+def test_with_shared_compute_a_forward_waits_up_to_its_own_time_for_sessions_still_drafting() -> None:
+    """Draft and target on the same cores: the target holds a forward for sessions that come back
+    within a forward's time (they are drafting, on the cores it would otherwise contend for), so the
+    sessions verify together instead of in alternating groups; not for one that is overdue."""
+    now = [100.0]
+    scheduler = BatchScheduler(lambda steps: [0] * len(steps), BatchLimits(window_ms=5.0, shared_compute=True),
+                               clock=lambda: now[0])
+    try:
+        with scheduler._cond:
+            assert scheduler._window_s() == 0.005  # nothing measured yet: the cap
+            scheduler.forwards, scheduler._step_s = 10, 0.8  # forwards of 800 ms
+            assert scheduler._window_s() == pytest.approx(0.8)
+            scheduler._returns["drafting"] = (100.0, 0.5)  # back 0.5 s after its verify, usually
+            now[0] = 100.05
+            assert scheduler._due_calls() == 1  # within the next forward's time: wait for it
+            now[0] = 100.75                      # 1.5 x its gap (and the 5 ms cap): overdue
+            assert scheduler._due_calls() == 1
+            now[0] = 100.76
+            assert scheduler._due_calls() == 0
+        # Without shared compute the same session is not waited for until it is 5 ms away.
+        plain = BatchScheduler(lambda steps: [0] * len(steps), BatchLimits(window_ms=5.0), clock=lambda: now[0])
+        try:
+            with plain._cond:
+                plain.forwards, plain._step_s = 10, 0.8
+                plain._returns["drafting"] = (100.0, 0.5)
+                now[0] = 100.05
+                assert plain._window_s() == pytest.approx(0.005) and plain._due_calls() == 0
+        finally:
+            plain.close()
+    finally:
+        scheduler.close()
+
+
+def _gang_batches(shared_compute: bool) -> list[list[str]]:
+    """Two sessions in closed loops against forwards of 60 ms: "fast" comes back 5 ms after each
+    call, "slow" (drafting, say) 40 ms after. Returns each forward's sessions."""
+    import time as _time
+
+    batches: list[list[str]] = []
+
+    def forward(steps):
+        _time.sleep(0.06)
+        batches.append(sorted(s.session for s in steps))
+        return [0] * len(steps)
+    scheduler = BatchScheduler(forward, BatchLimits(window_ms=5.0, shared_compute=shared_compute))
+
+    def loop(session: str, gap_s: float) -> None:
+        for _ in range(12):
+            scheduler.submit(session, call(session))[0].result(WAIT_S)
+            _time.sleep(gap_s)
+    try:
+        threads = [threading.Thread(target=loop, args=("fast", 0.005)), threading.Thread(target=loop, args=("slow", 0.04))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S * 3)
+    finally:
+        scheduler.close()
+    return batches
+
+
+def test_with_shared_compute_sessions_of_different_gaps_fall_into_step() -> None:
+    together = _gang_batches(shared_compute=True)
+    apart = _gang_batches(shared_compute=False)
+    # Once the gaps are learned (a few calls), shared compute holds each forward for "slow".
+    assert sum(b == ["fast", "slow"] for b in together[4:]) >= 0.7 * len(together[4:]), together
+    # Without it "fast" does not wait 40 ms for "slow": most forwards run one of them.
+    assert len(apart) > len(together), (apart, together)
+
+
+def test_a_session_that_ended_is_not_waited_for(forward) -> None:
+    scheduler = make_scheduler(forward, window_ms=50.0, shared_compute=True)
+    try:
+        scheduler.submit("s", call("s"))[0].result(WAIT_S)
+        assert "s" in scheduler._returns  # a session comes back after a call, usually
+        scheduler.submit("s", call("s"), ends_session=True)[0].result(WAIT_S)  # EndSession
+        assert "s" not in scheduler._returns
+    finally:
+        scheduler.close()
+
+
 def test_utilisation_is_the_busy_fraction() -> None:
     now = [0.0]
 
@@ -337,6 +418,28 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(forward) -> No
         assert decode.result(WAIT_S) == [1] * 5
         assert [sorted(rows) for rows in forward.rows[:5]] == [[1], [1, 64], [1, 64], [1, 22], [1]]
         assert load.forwards == 3 and scheduler.prefill_chunks == 2
+    finally:
+        scheduler.close()
+
+
+def test_calls_report_the_prompt_rows_that_shared_their_forwards(forward) -> None:
+    """The pair guard takes other sessions' prompts out of a steady round's time: each call reports
+    the prompt rows of its forwards, chunks included (the 22-row rest of a 150-row prompt is short
+    enough to look like a decode step, and still counts as prompt)."""
+    scheduler = make_scheduler(forward, prefill_chunk=64)
+    try:
+        decode, decode_load = submit_held(scheduler, forward, "a", call("a", steps=5))
+        prompt, prompt_load = scheduler.submit("p", prompt_call("p", 150))
+        forward.gate.set()
+        prompt.result(WAIT_S), decode.result(WAIT_S)
+        assert [sorted(rows) for rows in forward.rows[:5]] == [[1], [1, 64], [1, 64], [1, 22], [1]]
+        assert decode_load.forwards == 5 and decode_load.batch_prompt_rows == 150
+        assert decode_load.mean_prompt_rows == pytest.approx(30.0)
+        assert decode_load.batch_rows == 155
+        assert prompt_load.batch_prompt_rows == 150  # its own
+        after, after_load = scheduler.submit("a", call("a", steps=2))
+        after.result(WAIT_S)
+        assert after_load.batch_prompt_rows == 0 and after_load.mean_prompt_rows == 0.0  # decode alone
     finally:
         scheduler.close()
 
@@ -444,3 +547,20 @@ def test_prefill_chunk_flag() -> None:
     assert batch_limits(parser.parse_args(["--prefill-chunk", "0"]), measured).prefill_chunk == 0
     with pytest.raises(SystemExit):
         batch_limits(parser.parse_args(["--prefill-chunk", "lots"]))
+
+
+def test_shared_compute_flag_and_the_local_services_default() -> None:
+    import argparse
+
+    from specdec.tools.demo import cpu_list, shares_compute
+    from specdec.worker_server import add_worker_args, batch_limits
+    parser = argparse.ArgumentParser()
+    add_worker_args(parser, "tiny:seed=0")
+    assert batch_limits(parser.parse_args([])).shared_compute is False  # separate devices: the safe default
+    assert batch_limits(parser.parse_args(["--shared-compute"])).shared_compute is True
+    assert cpu_list("0") == {0} and cpu_list("0-2,5") == {0, 1, 2, 5}
+    # demo / bench / loadtest start both workers on one machine: unpinned they share its cores.
+    assert shares_compute({})
+    assert shares_compute({"target": "0"})                       # the draft may run anywhere
+    assert shares_compute({"target": "0-1", "draft": "1"})       # overlapping
+    assert not shares_compute({"target": "0", "draft": "1"})     # pinned apart: two devices emulated

@@ -66,17 +66,38 @@ def wait_ready(services: list[Service], timeout_s: float) -> None:
         time.sleep(0.5)
 
 
+def cpu_list(spec: str) -> set[int]:
+    """CPUs of a taskset list such as "0", "0-3" or "0,2-3"."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        if part.strip():
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def shares_compute(cpu_sets: dict[str, str]) -> bool:
+    """Whether the two local workers run on the same cores: unless both are pinned to disjoint CPU lists."""
+    target, draft = cpu_sets.get("target"), cpu_sets.get("draft")
+    return not (target and draft and not cpu_list(target) & cpu_list(draft))
+
+
 @contextlib.contextmanager
 def local_services(target: str, draft: str, threads: int, orch_args: list[str],
                    timeout_s: float = 900.0, worker_args: Sequence[str] = (),
-                   cpu_sets: dict[str, str] | None = None) -> Iterator[str]:
+                   cpu_sets: dict[str, str] | None = None, shared_compute: bool | None = None) -> Iterator[str]:
     """Start the three services as subprocesses on free ports; yields the orchestrator address.
-    cpu_sets pins roles ("target", "draft", "orchestrator") to CPU lists."""
+    cpu_sets pins roles ("target", "draft", "orchestrator") to CPU lists. Workers that are not pinned
+    apart share the machine's cores: they get --shared-compute (docs/batching.md); shared_compute
+    True / False overrides that."""
     cpu_sets = cpu_sets or {}
     workdir = Path(tempfile.mkdtemp(prefix="specdec-demo-"))
     services: list[Service] = []
     try:
         thread_args = (["--threads", str(threads)] if threads else []) + list(worker_args)
+        shared = shares_compute(cpu_sets) if shared_compute is None else shared_compute
+        if shared and "--shared-compute" not in thread_args:
+            thread_args.append("--shared-compute")
         # One after the other: each worker calibrates at startup, and two calibrating at once on the
         # same cores would measure each other.
         services.append(Service("target", ["target_worker", "--model", target, *thread_args], workdir,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"L\n\x0b\x43\x61\x63heCommit\x12\x11\n\tcache_len\x18\x01 \x01(\r\x12\x13\n\x0bprefix_hash\x18\x02 \x01(\x06\x12\x15\n\rappend_tokens\x18\x03 \x03(\x05\"\xeb\x01\n\x0cWorkerTiming\x12\x12\n\ncompute_ms\x18\x01 \x01(\x01\x12\x12\n\nfed_tokens\x18\x02 \x01(\r\x12\x18\n\x10prefilled_tokens\x18\x03 \x01(\r\x12\x12\n\ncatchup_ms\x18\x04 \x01(\x01\x12\x13\n\x0b\x64raft_steps\x18\x05 \x01(\r\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x16\n\x0e\x62\x61tch_sessions\x18\x07 \x01(\x01\x12\x12\n\nbatch_rows\x18\x08 \x01(\x01\x12\x1a\n\x12worker_utilisation\x18\t \x01(\x01\x12\x16\n\x0eworker_waiting\x18\n \x01(\r\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"%\n\x12\x45ndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\x8f\x03\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tmodel_ref\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x10\n\x08sessions\x18\x07 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x08 \x01(\x04\x12\x1a\n\x12\x63\x61\x63he_budget_bytes\x18\t \x01(\x04\x12.\n\rforward_costs\x18\n \x03(\x0b\x32\x17.specdec.v1.ForwardCost\x12\x11\n\tgemm_path\x18\x0b \x01(\t\x12\x11\n\tmax_batch\x18\x0c \x01(\r\x12\x10\n\x08\x62\x61tching\x18\r \x01(\t\x12\x13\n\x0butilisation\x18\x0e \x01(\x01\x12\x14\n\x0c\x61\x63tive_calls\x18\x0f \x01(\r\x12\x15\n\rwaiting_calls\x18\x10 \x01(\r\x12\x14\n\x0c\x62ranch_slots\x18\x11 \x01(\r\":\n\x0b\x46orwardCost\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x0f\n\x07\x63ontext\x18\x02 \x01(\r\x12\n\n\x02ms\x18\x03 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"L\n\x0b\x43\x61\x63heCommit\x12\x11\n\tcache_len\x18\x01 \x01(\r\x12\x13\n\x0bprefix_hash\x18\x02 \x01(\x06\x12\x15\n\rappend_tokens\x18\x03 \x03(\x05\"\x86\x02\n\x0cWorkerTiming\x12\x12\n\ncompute_ms\x18\x01 \x01(\x01\x12\x12\n\nfed_tokens\x18\x02 \x01(\r\x12\x18\n\x10prefilled_tokens\x18\x03 \x01(\r\x12\x12\n\ncatchup_ms\x18\x04 \x01(\x01\x12\x13\n\x0b\x64raft_steps\x18\x05 \x01(\r\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x16\n\x0e\x62\x61tch_sessions\x18\x07 \x01(\x01\x12\x12\n\nbatch_rows\x18\x08 \x01(\x01\x12\x1a\n\x12worker_utilisation\x18\t \x01(\x01\x12\x16\n\x0eworker_waiting\x18\n \x01(\r\x12\x19\n\x11\x62\x61tch_prompt_rows\x18\x0b \x01(\x01\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"%\n\x12\x45ndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\x8f\x03\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tmodel_ref\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x10\n\x08sessions\x18\x07 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x08 \x01(\x04\x12\x1a\n\x12\x63\x61\x63he_budget_bytes\x18\t \x01(\x04\x12.\n\rforward_costs\x18\n \x03(\x0b\x32\x17.specdec.v1.ForwardCost\x12\x11\n\tgemm_path\x18\x0b \x01(\t\x12\x11\n\tmax_batch\x18\x0c \x01(\r\x12\x10\n\x08\x62\x61tching\x18\r \x01(\t\x12\x13\n\x0butilisation\x18\x0e \x01(\x01\x12\x14\n\x0c\x61\x63tive_calls\x18\x0f \x01(\r\x12\x15\n\rwaiting_calls\x18\x10 \x01(\r\x12\x14\n\x0c\x62ranch_slots\x18\x11 \x01(\r\":\n\x0b\x46orwardCost\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x0f\n\x07\x63ontext\x18\x02 \x01(\r\x12\n\n\x02ms\x18\x03 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,15 +36,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CACHECOMMIT']._serialized_start=122
   _globals['_CACHECOMMIT']._serialized_end=198
   _globals['_WORKERTIMING']._serialized_start=201
-  _globals['_WORKERTIMING']._serialized_end=436
-  _globals['_ENDSESSIONREQUEST']._serialized_start=438
-  _globals['_ENDSESSIONREQUEST']._serialized_end=477
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=479
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=516
-  _globals['_GETINFOREQUEST']._serialized_start=518
-  _globals['_GETINFOREQUEST']._serialized_end=534
-  _globals['_WORKERINFO']._serialized_start=537
-  _globals['_WORKERINFO']._serialized_end=936
-  _globals['_FORWARDCOST']._serialized_start=938
-  _globals['_FORWARDCOST']._serialized_end=996
+  _globals['_WORKERTIMING']._serialized_end=463
+  _globals['_ENDSESSIONREQUEST']._serialized_start=465
+  _globals['_ENDSESSIONREQUEST']._serialized_end=504
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=506
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=543
+  _globals['_GETINFOREQUEST']._serialized_start=545
+  _globals['_GETINFOREQUEST']._serialized_end=561
+  _globals['_WORKERINFO']._serialized_start=564
+  _globals['_WORKERINFO']._serialized_end=963
+  _globals['_FORWARDCOST']._serialized_start=965
+  _globals['_FORWARDCOST']._serialized_end=1023
 # @@protoc_insertion_point(module_scope)

@@ -29,7 +29,7 @@ class CacheCommit(_message.Message):
     def __init__(self, cache_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerTiming(_message.Message):
-    __slots__ = ("compute_ms", "fed_tokens", "prefilled_tokens", "catchup_ms", "draft_steps", "queue_ms", "batch_sessions", "batch_rows", "worker_utilisation", "worker_waiting")
+    __slots__ = ("compute_ms", "fed_tokens", "prefilled_tokens", "catchup_ms", "draft_steps", "queue_ms", "batch_sessions", "batch_rows", "worker_utilisation", "worker_waiting", "batch_prompt_rows")
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     FED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class WorkerTiming(_message.Message):
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     WORKER_UTILISATION_FIELD_NUMBER: _ClassVar[int]
     WORKER_WAITING_FIELD_NUMBER: _ClassVar[int]
+    BATCH_PROMPT_ROWS_FIELD_NUMBER: _ClassVar[int]
     compute_ms: float
     fed_tokens: int
     prefilled_tokens: int
@@ -50,7 +51,8 @@ class WorkerTiming(_message.Message):
     batch_rows: float
     worker_utilisation: float
     worker_waiting: int
-    def __init__(self, compute_ms: _Optional[float] = ..., fed_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., catchup_ms: _Optional[float] = ..., draft_steps: _Optional[int] = ..., queue_ms: _Optional[float] = ..., batch_sessions: _Optional[float] = ..., batch_rows: _Optional[float] = ..., worker_utilisation: _Optional[float] = ..., worker_waiting: _Optional[int] = ...) -> None: ...
+    batch_prompt_rows: float
+    def __init__(self, compute_ms: _Optional[float] = ..., fed_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., catchup_ms: _Optional[float] = ..., draft_steps: _Optional[int] = ..., queue_ms: _Optional[float] = ..., batch_sessions: _Optional[float] = ..., batch_rows: _Optional[float] = ..., worker_utilisation: _Optional[float] = ..., worker_waiting: _Optional[int] = ..., batch_prompt_rows: _Optional[float] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id",)
