@@ -16,7 +16,10 @@ Rules:
 - Chunked prefill: while other calls share the forward, the prompts in it (steps longer than a
   decode step) get at most `prefill_chunk` rows between them; a longer prompt runs in chunks over
   the next forwards, so that prompts arriving never stall the others' decode steps for long. A
-  step alone runs whole.
+  step alone runs whole. With a measured cost curve (`prefill_curve`) the budget grows with the
+  decode rows beside it past max_batch (the most rows that at most double their forward): beside
+  the k + 1 rows of many sessions' verifies a fixed budget would spread each prompt over many slow
+  forwards, and the first tokens of speculating sessions would come late.
 - One call per session at a time: a second call on a session waits until the first ends (the cache
   is the session's state), in arrival order.
 - Deadlines and cancellation are checked before admission and before every step: an expired call
@@ -73,6 +76,9 @@ class BatchLimits:
     max_queue: int = 64           # calls waiting for a slot; more get RESOURCE_EXHAUSTED
     prefill_chunk: int = 64       # prompt rows per forward while other calls share it; 0 = whole prompts
     shared_compute: bool = False  # the other worker of the pair runs on these cores: wait up to a forward for due calls
+    # (rows, ms) forward costs (`--prefill-chunk auto`): each forward's prompt budget is then sized
+    # against the decode rows it actually runs (prefill_chunk_for), prefill_chunk where it cannot tell.
+    prefill_curve: tuple[tuple[int, float], ...] = ()
 
     def validate(self) -> None:
         if (self.max_batch < 1 or self.max_batch_tokens < 1 or self.max_queue < 0 or self.window_ms < 0
@@ -353,7 +359,7 @@ class BatchScheduler:
         chunking = bool(decoding) and len(ready) > 1 and self.limits.prefill_chunk > 0
         if chunking:  # decode steps first, so a prompt's chunk never crowds them out of the row cap
             ready = decoding + [j for j in ready if len(j.pending.tokens) > DECODE_STEP_ROWS]
-        prefill_left = self.limits.prefill_chunk
+        prefill_left: int | None = None  # sized at the first prompt, against the decode rows before it
         batch: list[tuple[_Job, Any, bool]] = []
         rows = 0
         for job in ready:
@@ -361,6 +367,8 @@ class BatchScheduler:
             size = len(step.tokens)
             prompt = size > DECODE_STEP_ROWS or job.chunked  # (a short rest of a prompt runs as a decode step)
             if chunking and size > DECODE_STEP_ROWS:
+                if prefill_left is None:
+                    prefill_left = self._prompt_budget(rows)
                 take = min(prefill_left, self.limits.max_batch_tokens - rows)
                 parts = step.split(take) if 0 < take < size and hasattr(step, "split") else None
                 if parts is not None:
@@ -375,6 +383,14 @@ class BatchScheduler:
             batch.append((job, step, prompt))
             rows += size
         return batch
+
+    def _prompt_budget(self, decode_rows: int) -> int:
+        """Prompt rows for a forward beside `decode_rows` decode rows (see prefill_curve); never less
+        than beside max_batch rows, the startup budget, so that a light load keeps its prompt speed."""
+        if not self.limits.prefill_curve or decode_rows <= self.limits.max_batch:
+            return self.limits.prefill_chunk
+        sized = prefill_chunk_for(self.limits.prefill_curve, decode_rows, self.limits.max_batch_tokens)
+        return self.limits.prefill_chunk if sized is None else max(self.limits.prefill_chunk, sized)
 
     def _step(self, batch: list[tuple[_Job, Any, bool]]) -> None:
         steps = [step for _, step, _ in batch]

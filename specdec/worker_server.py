@@ -116,8 +116,9 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--prefill-chunk", default="auto",
                         help="prompt rows per forward while other calls share it (chunked prefill), so that "
                              "their decode steps are not held up behind whole prompts; 0: whole prompts. auto: "
-                             "the most rows that at most double a forward of --max-batch decode rows, from "
-                             "this worker's startup measurement (64 where nothing was measured)")
+                             "the most rows that at most double a forward of --max-batch decode rows, or of the "
+                             "decode rows beside them where there are more (speculating sessions' verifies), "
+                             "from this worker's startup measurement (64 where nothing was measured)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="calls waiting for a batch slot; more are refused with RESOURCE_EXHAUSTED")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
@@ -132,17 +133,20 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
 
 def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve()) -> BatchLimits:
     chunk = str(args.prefill_chunk)
+    curve: tuple[tuple[int, float], ...] = ()  # sizes each forward's prompt budget (auto, measured)
     if chunk == "auto":
         measured = prefill_chunk_for(cost_curve.rows_curve(), args.max_batch, args.max_batch_tokens)
         prefill_chunk = AUTO_PREFILL_CHUNK_FALLBACK if measured is None else measured
-        log.info("prefill chunk: %d rows (%s)", prefill_chunk, "measured" if measured else "nothing measured")
+        curve = () if measured is None else tuple(cost_curve.rows_curve())
+        log.info("prefill chunk: %d rows beside %d decode rows (%s)", prefill_chunk, args.max_batch,
+                 "measured; sized per forward against its decode rows" if measured else "nothing measured")
     else:
         prefill_chunk = int(chunk) if chunk.isdigit() else -1
         if prefill_chunk < 0:
             raise SystemExit(f"--prefill-chunk must be a number of rows (0: off) or auto, got {chunk!r}")
     return BatchLimits(max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
                        window_ms=args.batch_window_ms, max_queue=args.max_queue, prefill_chunk=prefill_chunk,
-                       shared_compute=args.shared_compute)
+                       shared_compute=args.shared_compute, prefill_curve=curve)
 
 
 def store_limits(args: argparse.Namespace) -> StoreLimits:

@@ -532,6 +532,24 @@ def test_the_prompt_budget_comes_from_the_workers_own_forward_costs() -> None:
     assert prefill_chunk_for([], 8, 256) is None
 
 
+@pytest.mark.parametrize("decode_tokens, chunk", [(1, 16), (9, 32)])
+def test_the_prompt_budget_grows_with_the_decode_rows_beside_it(forward, decode_tokens: int, chunk: int) -> None:
+    """Beside two 1-row decode steps a prompt gets the startup budget (16 rows); beside two 9-row
+    verifies (speculating sessions) the most rows that at most double their forward on the
+    measured curve: 18 rows cost 1.72 s, with 32 prompt rows 3.0 s (under 3.44), with 64 4.3 s (over)."""
+    cpu = tuple((r, 1000.0 + 40.0 * r) for r in (1, 9, 16, 32, 64))
+    scheduler = make_scheduler(forward, max_batch=3, prefill_chunk=16, prefill_curve=cpu)
+    try:
+        first, _ = submit_held(scheduler, forward, "a", call("a", steps=2, tokens=decode_tokens))
+        second, _ = scheduler.submit("b", call("b", steps=2, tokens=decode_tokens))
+        prompt, _ = scheduler.submit("p", prompt_call("p", 100))
+        forward.gate.set()
+        first.result(WAIT_S), second.result(WAIT_S), prompt.result(WAIT_S)
+        assert sorted(forward.rows[1]) == sorted([decode_tokens, decode_tokens, chunk]), forward.rows
+    finally:
+        scheduler.close()
+
+
 def test_prefill_chunk_flag() -> None:
     import argparse
 
@@ -544,7 +562,10 @@ def test_prefill_chunk_flag() -> None:
     assert batch_limits(auto).prefill_chunk == AUTO_PREFILL_CHUNK_FALLBACK  # calibration skipped
     measured = CostCurve(tuple((r, 64, 1000.0 + 40.0 * r) for r in (1, 9, 16, 32, 64)))
     assert batch_limits(auto, measured).prefill_chunk == 32
+    assert batch_limits(auto, measured).prefill_curve == measured.rows_curve()  # sized per forward
+    assert batch_limits(auto).prefill_curve == ()
     assert batch_limits(parser.parse_args(["--prefill-chunk", "0"]), measured).prefill_chunk == 0
+    assert batch_limits(parser.parse_args(["--prefill-chunk", "48"]), measured).prefill_curve == ()  # fixed
     with pytest.raises(SystemExit):
         batch_limits(parser.parse_args(["--prefill-chunk", "lots"]))
 
