@@ -68,14 +68,14 @@ def summarise(blocks: list[dict], trace: Path) -> str:
     lines = ["| block | tok/s | rounds | mean target batch | steady k > 0 rounds: round / draft / verify ms (median) "
              "| their target batch | tokens per round | rounds the guard ran off |", "|---|---|---|---|---|---|---|---|"]
     for b in blocks:
-        mine = [r for r in rounds if b["start"] <= r["ts"] <= b["end"] + 0.5]
+        mine = [r for r in rounds if b["start"] <= r["ts"] <= b["end"]]  # a round ends before its tokens arrive
         drafting = [r for r in mine if r["k"] > 0 and r["target_prefilled"] <= 1 and r["draft_prefilled"] <= 2]
 
         def median(key: str) -> float:
             return statistics.median(r[key] for r in drafting) if drafting else 0.0
         lines.append(
             f"| {b['block']} | {b['tokens_per_s']} | {len(mine)} | "
-            f"{statistics.mean(r['target_batch'] for r in mine):.2f} | "
+            f"{statistics.mean(r['target_batch'] for r in mine) if mine else 0.0:.2f} | "
             + (f"{median('round_ms'):.0f} / {median('draft_ms'):.0f} / {median('verify_ms'):.0f} | "
                f"{statistics.mean(r['target_batch'] for r in drafting):.1f} | "
                f"{statistics.mean(r['emitted'] for r in drafting):.2f} | " if drafting else "- | - | - | ")

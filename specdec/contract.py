@@ -41,6 +41,11 @@ def is_branch_key(key: str) -> bool:
     return "\x00" in key
 
 
+def session_of(key: str) -> str:
+    """The session a worker's key (slot_key) belongs to."""
+    return key.split("\x00", 1)[0]
+
+
 def validate_session_id(session_id: str) -> None:
     if not session_id or len(session_id) > MAX_SESSION_ID_LEN or not session_id.isprintable():
         raise InvalidRequest(f"session_id must be 1-{MAX_SESSION_ID_LEN} printable characters")

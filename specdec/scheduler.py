@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdec import curves
+from specdec.contract import session_of
 from specdec.errors import CapacityExceeded, DeadlineExceeded, WorkerUnavailable
 
 log = logging.getLogger(__name__)
@@ -361,14 +362,14 @@ class BatchScheduler:
             ready = decoding + [j for j in ready if len(j.pending.tokens) > DECODE_STEP_ROWS]
         prefill_left: int | None = None  # sized at the first prompt, against the decode rows before it
         batch: list[tuple[_Job, Any, bool]] = []
-        rows = 0
+        rows = decode_rows = 0
         for job in ready:
             step = job.pending
             size = len(step.tokens)
             prompt = size > DECODE_STEP_ROWS or job.chunked  # (a short rest of a prompt runs as a decode step)
             if chunking and size > DECODE_STEP_ROWS:
                 if prefill_left is None:
-                    prefill_left = self._prompt_budget(rows)
+                    prefill_left = self._prompt_budget(decode_rows)
                 take = min(prefill_left, self.limits.max_batch_tokens - rows)
                 parts = step.split(take) if 0 < take < size and hasattr(step, "split") else None
                 if parts is not None:
@@ -382,6 +383,7 @@ class BatchScheduler:
                 continue  # a smaller step behind it may still fit; this one is oldest next time
             batch.append((job, step, prompt))
             rows += size
+            decode_rows += 0 if prompt else size
         return batch
 
     def _prompt_budget(self, decode_rows: int) -> int:
@@ -449,7 +451,10 @@ class BatchScheduler:
                 self._active.remove(job)
             previous = self._returns.pop(job.session_id, None)
             now = self._clock()
-            if not job.ends_session:
+            if job.ends_session:  # and its branch slots' keys: none of them comes back
+                for key in [k for k in self._returns if session_of(k) == job.session_id]:
+                    del self._returns[key]
+            else:
                 self._returns[job.session_id] = (now, previous[1] if previous else 0.0)
             if len(self._returns) > 4 * (self.limits.max_batch + self.limits.max_queue):
                 for sid, (ended, gap) in list(self._returns.items()):  # bounded: forget quiet sessions

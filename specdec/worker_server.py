@@ -107,7 +107,8 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--batch-window-ms", type=float, default=20.0,
                         help="the most a forward waits for calls that are due (sessions that usually come back "
                              "about now) to join it; also at most a tenth of the recent forward time, and never "
-                             "when none is due")
+                             "when none is due. With --shared-compute: up to the recent forward time, or this if "
+                             "longer")
     parser.add_argument("--shared-compute", action="store_true",
                         help="the pair's other worker runs on the same cores (both workers on one CPU, not pinned "
                              "apart): a forward waits up to its own duration for due calls, so that the sessions "

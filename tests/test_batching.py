@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from orchestrator.api import EngineLimits
+from orchestrator.config import SpeculationConfig
 from specdec.models import load_model, new_cache
 from specdec.ragged import RaggedForward, RaggedItem, unsupported_reason
 from specdec.scheduler import BatchLimits
@@ -187,26 +188,56 @@ async def test_worker_timing_reports_the_batch() -> None:
             commit = common_pb2.CacheCommit(append_tokens=PROMPTS[i])
             return await stub.Verify(worker_pb2.VerifyRequest(session_id=f"t{i}", commit=commit,
                                                               draft_tokens=[7, 8]), timeout=30)
-        long_prompt = [random.Random(99).randrange(3, 250) for _ in range(50)]
         with slow_solo_forwards(stack.target.core.model, 100):
-            replies = await asyncio.gather(*(verify(i) for i in range(6)), stub.Verify(worker_pb2.VerifyRequest(
-                session_id="long", commit=common_pb2.CacheCommit(append_tokens=long_prompt), draft_tokens=[7]),
-                timeout=30))
-        *replies, long_reply = replies
-        # Steps of up to 33 rows are decode-sized; the 51-row one is a prompt, counted in its own
-        # forwards and in those of the calls that shared one with it (all of it, or a chunk).
-        assert long_reply.timing.batch_prompt_rows > 0
-        prompt_rows = [r.timing.batch_prompt_rows for r in replies]
-        assert all(0 <= rows <= 51 for rows in prompt_rows), prompt_rows
-        assert all(r.timing.batch_prompt_rows == 0 for r in replies if r.timing.batch_sessions == 1)
-        if long_reply.timing.batch_sessions > 1:  # it shared a forward: its neighbours saw its rows
-            assert max(prompt_rows) > 0, prompt_rows
+            replies = await asyncio.gather(*(verify(i) for i in range(6)))
+        assert all(r.timing.batch_prompt_rows == 0 for r in replies)  # every step decode-sized (<= 33 rows)
         sizes = [r.timing.batch_sessions for r in replies]
-        assert all(1.0 <= s <= 7.0 for s in sizes) and max(sizes) > 1.0, sizes
+        assert all(1.0 <= s <= 6.0 for s in sizes) and max(sizes) > 1.0, sizes
         assert all(r.timing.batch_rows >= len(PROMPTS[i]) + 2 for i, r in enumerate(replies))
         assert all(r.timing.queue_ms >= 0.0 and 0.0 <= r.timing.worker_utilisation <= 1.0 for r in replies)
         info = await stub.GetInfo(common_pb2.GetInfoRequest())
         assert info.max_batch == 8 and info.batching == "ragged"
+    finally:
+        await stack.close()
+
+
+async def test_worker_timing_reports_the_prompt_rows_beside_a_call() -> None:
+    """A verify that shares its forward with another session's 51-row prompt reports those rows
+    (the pair guard takes them out of the round's time); one alone reports none."""
+    stack = await start_stack()
+    try:
+        stub, scheduler = target_stub(stack), stack.target.scheduler
+
+        def verify(session: str, prompt: list[int]):
+            return stub.Verify(worker_pb2.VerifyRequest(session_id=session, commit=common_pb2.CacheCommit(
+                append_tokens=prompt), draft_tokens=[7, 8]), timeout=30)
+        long_prompt = [random.Random(99).randrange(3, 250) for _ in range(49)]
+        # The first call runs alone and is held until the other two wait: they share the next forward.
+        with hold_first_solo_forward(stack.target.core.model, lambda: scheduler.waiting_calls >= 2):
+            alone = asyncio.ensure_future(verify("a", PROMPTS[0]))
+            deadline = time.monotonic() + 10.0
+            while scheduler.snapshot().active < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            beside, prompt = await asyncio.gather(verify("b", PROMPTS[1]), verify("p", long_prompt))
+            alone = await alone
+        assert alone.timing.batch_prompt_rows == 0 and alone.timing.batch_sessions == 1
+        assert beside.timing.batch_sessions == 2 and beside.timing.batch_prompt_rows == 51
+        assert prompt.timing.batch_prompt_rows == 51  # its own
+    finally:
+        await stack.close()
+
+
+async def test_a_finished_request_is_not_expected_back_by_the_workers() -> None:
+    """An ephemeral session's EndSession tells each worker's scheduler that the session will not
+    come back: no forward waits for it (with --shared-compute a wait could last a forward)."""
+    stack = await start_stack(speculation=SpeculationConfig(policy="fixed", fixed_k=2, guard=False))
+    try:
+        await stack.generate(prompt_ids=PROMPTS[3], max_new_tokens=8)
+        schedulers = (stack.target.scheduler, stack.draft.scheduler)
+        deadline = time.monotonic() + 10.0
+        while any(s._returns for s in schedulers) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # EndSession runs after the reply, in the background
+        assert [dict(s._returns) for s in schedulers] == [{}, {}]
     finally:
         await stack.close()
 

@@ -98,6 +98,41 @@ def test_a_target_only_probe_that_caught_a_wave_of_prompts_is_priced_without_the
     assert run(adjusted=False).speculation_wins     # the wave's 1 per 105 ms would not have
 
 
+def test_a_guarded_round_hands_the_guard_its_time_without_the_prompt_rows() -> None:
+    """The wiring: Round.run_guarded takes the record's target_prompt_rows out on the pair's rows
+    curve before the guard sees the round (a 105 ms round whose 100 ms verify ran 24 rows, 16 of
+    them prompts, on a curve where 8 rows cost half of 24: 55 ms)."""
+    from orchestrator.kpolicy import TargetLoad
+    from orchestrator.record import RoundRecord
+    from orchestrator.rounds import Round
+    from orchestrator.sessions import OrchestratorSession
+
+    record = RoundRecord(
+        session_id="s", index=3, position=40, policy="cost", k=0, drafts=(), draft_probs=(), draft_confidences=(),
+        accepted=0, emitted=(7,), text_delta="x", finish=None, fallback=False, greedy=True, draft_ms=0.0,
+        draft_token_ms=0.0, verify_ms=100.0, verify_wall_ms=101.0, round_ms=105.0, draft_prefilled=0,
+        target_prefilled=1, target_cached=39, reprefills=0, target_batch=3.0, target_rows=24.0,
+        target_prompt_rows=16.0)
+    session = OrchestratorSession("s", ephemeral=True)
+    session.stats.timing.load = TargetLoad(target_curve=((1, 9.0), (64, 72.0)))  # 8 + rows: T(8) = 16, T(24) = 32
+    round_ = object.__new__(Round)  # only what run_guarded touches
+    round_.session = session
+
+    async def run(k: int) -> RoundRecord:
+        return record
+    round_.run = run
+    seen = []
+
+    class Spy(PairGuard):
+        def observe(self, ticket, tokens, round_ms, steady, drafted):
+            seen.append((tokens, round_ms, steady, drafted))
+            super().observe(ticket, tokens, round_ms, steady, drafted)
+    guard = Spy(GuardSettings(spec_rounds=1, off_rounds=1))
+    out = asyncio.run(round_.run_guarded(0, guard, guard.decide()))
+    assert seen == [(1, pytest.approx(55.0), True, False)]
+    assert out.round_ms == 105.0 and out.guard == SPECULATE  # the record itself keeps the measured time
+
+
 def test_the_guard_follows_a_change_of_winner_both_ways(caplog: pytest.LogCaptureFixture) -> None:
     guard = PairGuard(GuardSettings(spec_rounds=16, off_rounds=4))
     caplog.set_level(logging.INFO, logger="orchestrator.guard")

@@ -346,7 +346,7 @@ def test_with_shared_compute_sessions_of_different_gaps_fall_into_step() -> None
     together = _gang_batches(shared_compute=True)
     apart = _gang_batches(shared_compute=False)
     # Once the gaps are learned (a few calls), shared compute holds each forward for "slow".
-    assert sum(b == ["fast", "slow"] for b in together[4:]) >= 0.7 * len(together[4:]), together
+    assert sum(b == ["fast", "slow"] for b in together[4:]) >= 0.5 * len(together[4:]), together
     # Without it "fast" does not wait 40 ms for "slow": most forwards run one of them.
     assert len(apart) > len(together), (apart, together)
 
@@ -356,8 +356,11 @@ def test_a_session_that_ended_is_not_waited_for(forward) -> None:
     try:
         scheduler.submit("s", call("s"))[0].result(WAIT_S)
         assert "s" in scheduler._returns  # a session comes back after a call, usually
+        scheduler.submit("s\x001", call("s\x001"))[0].result(WAIT_S)  # a branch slot of "s" (contract.slot_key)
+        scheduler.submit("other", call("other"))[0].result(WAIT_S)
         scheduler.submit("s", call("s"), ends_session=True)[0].result(WAIT_S)  # EndSession
-        assert "s" not in scheduler._returns
+        assert "s" not in scheduler._returns and "s\x001" not in scheduler._returns
+        assert "other" in scheduler._returns
     finally:
         scheduler.close()
 
@@ -573,7 +576,7 @@ def test_prefill_chunk_flag() -> None:
 def test_shared_compute_flag_and_the_local_services_default() -> None:
     import argparse
 
-    from specdec.tools.demo import cpu_list, shares_compute
+    from specdec.tools.demo import cpu_list, shares_compute, worker_flags
     from specdec.worker_server import add_worker_args, batch_limits
     parser = argparse.ArgumentParser()
     add_worker_args(parser, "tiny:seed=0")
@@ -585,3 +588,11 @@ def test_shared_compute_flag_and_the_local_services_default() -> None:
     assert shares_compute({"target": "0"})                       # the draft may run anywhere
     assert shares_compute({"target": "0-1", "draft": "1"})       # overlapping
     assert not shares_compute({"target": "0", "draft": "1"})     # pinned apart: two devices emulated
+    assert cpu_list("0-6:2") == {0, 2, 4, 6}
+    assert not shares_compute({"target": "0-6:2", "draft": "1-7:2"})
+    # What local_services gives both workers.
+    assert worker_flags(0, [], {}, None) == ["--shared-compute"]
+    assert worker_flags(1, ["--max-batch", "4"], {"target": "0", "draft": "1"}, None) == ["--threads", "1",
+                                                                                          "--max-batch", "4"]
+    assert worker_flags(0, ["--shared-compute"], {}, False) == []  # the caller's override wins
+    assert worker_flags(0, [], {"target": "0", "draft": "1"}, True) == ["--shared-compute"]

@@ -67,12 +67,13 @@ def wait_ready(services: list[Service], timeout_s: float) -> None:
 
 
 def cpu_list(spec: str) -> set[int]:
-    """CPUs of a taskset list such as "0", "0-3" or "0,2-3"."""
+    """CPUs of a taskset list such as "0", "0-3", "0,2-3" or "0-6:2"."""
     cpus: set[int] = set()
     for part in spec.split(","):
         if part.strip():
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
+            span, _, stride = part.partition(":")
+            lo, _, hi = span.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1, int(stride or 1)))
     return cpus
 
 
@@ -80,6 +81,17 @@ def shares_compute(cpu_sets: dict[str, str]) -> bool:
     """Whether the two local workers run on the same cores: unless both are pinned to disjoint CPU lists."""
     target, draft = cpu_sets.get("target"), cpu_sets.get("draft")
     return not (target and draft and not cpu_list(target) & cpu_list(draft))
+
+
+def worker_flags(threads: int, worker_args: Sequence[str], cpu_sets: dict[str, str],
+                 shared_compute: bool | None) -> list[str]:
+    """Both local workers' extra flags: threads, the caller's, and --shared-compute where they share
+    cores (or as shared_compute says)."""
+    flags = (["--threads", str(threads)] if threads else []) + [a for a in worker_args if a != "--shared-compute"]
+    shared = shares_compute(cpu_sets) if shared_compute is None else shared_compute
+    if shared or (shared_compute is None and "--shared-compute" in worker_args):
+        flags.append("--shared-compute")
+    return flags
 
 
 @contextlib.contextmanager
@@ -94,10 +106,7 @@ def local_services(target: str, draft: str, threads: int, orch_args: list[str],
     workdir = Path(tempfile.mkdtemp(prefix="specdec-demo-"))
     services: list[Service] = []
     try:
-        thread_args = (["--threads", str(threads)] if threads else []) + list(worker_args)
-        shared = shares_compute(cpu_sets) if shared_compute is None else shared_compute
-        if shared and "--shared-compute" not in thread_args:
-            thread_args.append("--shared-compute")
+        thread_args = worker_flags(threads, worker_args, cpu_sets, shared_compute)
         # One after the other: each worker calibrates at startup, and two calibrating at once on the
         # same cores would measure each other.
         services.append(Service("target", ["target_worker", "--model", target, *thread_args], workdir,
