@@ -92,6 +92,14 @@ class Deadline:
             raise DeadlineExceeded("deadline exceeded while generating")
         return left
 
+    def cap(self, limit_s: float, past_ok: bool = False) -> float:
+        """A call's timeout: limit_s, or what is left of the deadline if less. Past the deadline it
+        raises, or with past_ok (optional work, which must not fail the turn) gives 0."""
+        if past_ok and self.at is not None and self.at <= time.monotonic():
+            return 0.0
+        left = self.remaining()
+        return limit_s if left is None else min(left, limit_s)
+
 
 @dataclass
 class Workers:
@@ -278,8 +286,8 @@ class Round:
         waited_ms = (time.perf_counter() - waited_from) * 1000.0
         # Drafts made beside branches ran in forwards of several rows: not a measure of one token's cost.
         self._hit_shared_draft = bool(branches)
-        for source in [ahead.calls] if ahead is not None else []:
-            self._add_calls(calls, source)
+        if ahead is not None:
+            self._add_calls(calls, ahead.calls)
         for b in branches:
             self._add_calls(calls, b.calls)
         branch_hit = None if tested_branch is None else tested_branch is branch
@@ -337,11 +345,10 @@ class Round:
         commit = session.draft_views[source].commit_for(assumed)
         if commit.cache_len != len(assumed) - 1:
             return None  # the draft does not hold the branch point (its slot was cropped meanwhile)
-        left = self.deadline.at
-        timeout = w.draft_timeout_s if left is None else min(max(0.0, left - time.monotonic()), w.draft_timeout_s)
         try:
             reply = await w.draft.propose(session.session_id, commit, k, self.sampling, self.min_draft_prob,
-                                          timeout, slot=slot, fork_from=source)
+                                          self.deadline.cap(w.draft_timeout_s, past_ok=True), slot=slot,
+                                          fork_from=source)
         except SpecdecError as exc:
             log.debug("branch pre-draft on slot %d failed: %s", slot, exc)
             return None
@@ -409,8 +416,7 @@ class Round:
         view = session.draft_views[slot]
         for attempt in range(2):
             commit = view.commit_for(canonical)
-            left = self.deadline.remaining()
-            timeout = w.draft_timeout_s if left is None else min(left, w.draft_timeout_s)
+            timeout = self.deadline.cap(w.draft_timeout_s)
             try:
                 reply = await w.draft.propose(session.session_id, commit, k, self.sampling, self.min_draft_prob,
                                               timeout, slot=slot)
