@@ -19,6 +19,8 @@ from specdec.worker_core import WorkerCore
 
 log = logging.getLogger(__name__)
 
+BATCHED_PATH_ROWS = 16
+
 
 def measurement_order(max_tokens: int) -> list[int]:
     """1 and max_tokens first, then the midpoints of the widest gaps: every prefix of this order
@@ -93,7 +95,8 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float) -> None:
         return
     started = time.monotonic()
     max_tokens = 2 if core.role == "draft" else max_k + 1
-    paths = linear_path.choose_and_apply(core.model, max_tokens, budget_s / 2)
+    # Row counts for the GEMM path: a session's own steps, and up to 16 rows of batched sessions.
+    paths = linear_path.choose_and_apply(core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s / 2)
     core.gemm_path = paths.summary()
     left = budget_s - (time.monotonic() - started)
     # The orchestrator prices rounds at the short context; a longer one is measured (and reported for

@@ -168,3 +168,25 @@ def test_flip_counter_counts_every_position_and_sees_a_flip() -> None:
     flipped = count_flips(Perturbed(model), prompts, new_tokens=10, k=3, dtype_name="float32",
                           device=torch.device("cpu"))
     assert flipped.positions == 20 and flipped.flips >= 4 and all(m > 0 for m in flipped.margins)
+
+
+def test_flip_counter_runs_the_verify_on_the_workers_gemm_path() -> None:
+    """`specdec flips` compares HF's one-at-a-time decode with the verify as the workers run it: the
+    path switch happens between the two phases, and the tiny float32 model flips nothing either way."""
+    from specdec import linear_path
+    from specdec.tools.flips import count_flips
+    model = load_model("tiny:seed=0").model
+    shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    packs = linear_path.packing_supported(torch.float32)
+    plan = linear_path.ShapePlan(packed=True) if packs else linear_path.ShapePlan(False, (1, 2), (False, True))
+    calls: list[int] = []
+
+    def prepare() -> str:
+        assert not any(isinstance(m, linear_path.PathLinear) for m in model.modules())  # decode ran on F.linear
+        calls.append(linear_path.apply(model, linear_path.PathChoice({s: plan for s in shapes})))
+        return "switched"
+
+    result = count_flips(model, [[5, 6, 7], [9, 10, 11, 12]], new_tokens=10, k=3, dtype_name="float32",
+                         device=torch.device("cpu"), prepare_verify=prepare)
+    assert calls and calls[0] > 0 and result.gemm_path == "switched"
+    assert result.positions == 20 and result.flips == 0

@@ -29,19 +29,45 @@ from tests.test_e2e_generate import reference_greedy
 
 # ----------------------------------------------------------------------------- GEMM path
 
+def dense_plan(weight_left_rows: set[int], upto: int = 16) -> linear_path.ShapePlan:
+    """Weight-left exactly at `weight_left_rows` (each row count 1..upto its own grid point)."""
+    grid = tuple(range(1, upto + 2))
+    return linear_path.ShapePlan(False, grid, tuple(m in weight_left_rows for m in grid))
+
+
 def test_weight_left_computes_the_same_product() -> None:
     linear = torch.nn.Linear(48, 80)
     x = torch.randn(3, 5, 48)
     assert torch.allclose(linear_path.weight_left(x, linear.weight, linear.bias), linear(x), atol=1e-5)
-    path = linear_path.PathLinear(linear, frozenset({15}))  # 3 x 5 = 15 token rows
-    assert torch.allclose(path(x), linear(x), atol=1e-5)
-    assert torch.equal(path(x[:1]), linear(x[:1]))  # other token counts: F.linear itself
+    path = linear_path.PathLinear(linear, linear_path.ShapePlan(False, (1, 15, 16), (False, True, False)))
+    assert torch.allclose(path(x), linear(x), atol=1e-5)  # 3 x 5 = 15 token rows: weight-left
+    assert torch.equal(path(x[:1]), linear(x[:1]))  # 5 rows: below 15, so F.linear itself
+
+
+def test_a_dense_plan_takes_the_choice_of_the_measured_count_below() -> None:
+    plan = linear_path.ShapePlan(False, (1, 2, 4, 64), (False, True, False, True))
+    assert [plan.weight_left_at(m) for m in (1, 2, 3, 4, 63, 64, 500)] == [False, True, True, False, False, True, True]
+    assert plan.swaps and not linear_path.ShapePlan(False, (1, 2), (False, False)).swaps
+    assert linear_path.ShapePlan(packed=True).swaps
+
+
+@pytest.mark.skipif(not linear_path.packing_supported(torch.float32), reason="torch built without oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_packed_path_computes_the_same_product_and_holds_one_copy(dtype: torch.dtype) -> None:
+    linear = torch.nn.Linear(48, 80).to(dtype)
+    path = linear_path.PathLinear(linear, linear_path.ShapePlan(packed=True))
+    assert path.weight is None and path.packed is not None  # the dense weight is dropped, not kept beside
+    for shape in ((1, 1, 48), (3, 5, 48), (64, 48)):
+        x = torch.randn(*shape).to(dtype)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(path(x).float(), linear(x).float(), atol=tol, rtol=tol)
+    assert path(torch.randn(2, 7, 48).to(dtype)[:, 1:]).shape == (2, 6, 80)  # a non-contiguous slice
 
 
 def test_apply_swaps_only_the_chosen_shapes_and_keeps_the_weights() -> None:
     model = load_model("tiny:seed=0").model
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    choice = linear_path.PathChoice({(128, 64): frozenset({2, 3})})  # the MLP up/gate projections
+    choice = linear_path.PathChoice({(128, 64): dense_plan({2, 3})})  # the MLP up/gate projections
     swapped = linear_path.apply(model, choice)
     paths = [m for m in model.modules() if isinstance(m, linear_path.PathLinear)]
     assert swapped == len(paths) > 0 and all((p.out_features, p.in_features) == (128, 64) for p in paths)
@@ -49,13 +75,62 @@ def test_apply_swaps_only_the_chosen_shapes_and_keeps_the_weights() -> None:
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def _all_shapes(model: torch.nn.Module) -> set[tuple[int, int]]:
+    return {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+
+
 def test_greedy_output_is_unchanged_with_weight_left_everywhere() -> None:
     reference = reference_greedy([5, 6, 7], 20)
     loaded = load_model("tiny:seed=0")
-    shapes = {(m.out_features, m.in_features) for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)}
-    linear_path.apply(loaded.model, linear_path.PathChoice({s: frozenset(range(1, 17)) for s in shapes}))
+    plans = {s: dense_plan(set(range(1, 17))) for s in _all_shapes(loaded.model)}
+    linear_path.apply(loaded.model, linear_path.PathChoice(plans))
     out = loaded.model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=20, do_sample=False)
     assert out[0, 3:].tolist() == reference
+
+
+@pytest.mark.skipif(not linear_path.packing_supported(torch.float32), reason="torch built without oneDNN")
+def test_greedy_output_is_unchanged_with_packed_weights_everywhere() -> None:
+    reference = reference_greedy([5, 6, 7], 20)
+    loaded = load_model("tiny:seed=0")
+    plans = {s: linear_path.ShapePlan(packed=True) for s in _all_shapes(loaded.model)}
+    assert linear_path.apply(loaded.model, linear_path.PathChoice(plans)) > 0
+    assert not any(isinstance(m, torch.nn.Linear) for m in loaded.model.modules())
+    out = loaded.model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=20, do_sample=False)
+    assert out[0, 3:].tolist() == reference
+
+
+def test_tied_weights_are_never_packed() -> None:
+    """Packing a weight another module also holds would keep two copies of it."""
+    model = load_model("tiny:seed=0").model
+    model.lm_head.weight = model.get_input_embeddings().weight
+    choice = linear_path.measure(model, max_m=2, budget_s=60, reps=1)
+    vocab_shape = (model.lm_head.out_features, model.lm_head.in_features)
+    assert linear_path.PACKED not in choice.timings[vocab_shape] and not choice.plans[vocab_shape].packed
+
+
+def _fake_timer(ms: dict[str, dict[int, float]]) -> linear_path._ShapeTimer:
+    timer = linear_path._ShapeTimer.__new__(linear_path._ShapeTimer)
+    timer.ms = ms
+    return timer
+
+
+def test_the_plan_weighs_every_decode_count_and_guards_the_prompt_chunk() -> None:
+    decode = [1, 2, 4]
+    flat = {1: 1.0, 2: 1.0, 4: 1.0, 64: 4.0}
+    # Packed wins at every count: packed.
+    plan = linear_path._plan(_fake_timer({"linear": {1: 2.0, 2: 4.0, 4: 8.0, 64: 8.0}, "weight_left": dict(flat),
+                                          "packed": {1: 0.5, 2: 0.5, 4: 0.5, 64: 4.0}}), decode, 64)
+    assert plan.packed
+    # Packed wins the decode counts but makes a prompt chunk 2x slower: dense, weight-left where it wins.
+    plan = linear_path._plan(_fake_timer({"linear": {1: 1.0, 2: 4.0, 4: 8.0, 64: 4.0}, "weight_left": dict(flat),
+                                          "packed": {1: 0.5, 2: 0.5, 4: 0.5, 64: 8.0}}), decode, 64)
+    assert not plan.packed and [plan.weight_left_at(m) for m in (1, 2, 4, 64)] == [False, True, True, False]
+    # Packed wins one count by a little and loses two by a lot: dense.
+    plan = linear_path._plan(_fake_timer({"linear": dict(flat), "weight_left": {1: 9.0, 2: 9.0, 4: 9.0, 64: 9.0},
+                                          "packed": {1: 0.9, 2: 3.0, 4: 3.0, 64: 4.0}}), decode, 64)
+    assert not plan.packed and not plan.swaps
+    # No packed timings (no oneDNN, or a tied weight): dense.
+    assert not linear_path._plan(_fake_timer({"linear": dict(flat), "weight_left": dict(flat)}), decode, 64).packed
 
 
 def test_measure_respects_its_budget() -> None:
@@ -64,9 +139,15 @@ def test_measure_respects_its_budget() -> None:
     choice = linear_path.measure(model, max_m=8, budget_s=3, reps=1, clock=lambda: next(ticks))
     assert not choice.complete and "budget ran out" in choice.summary()
     full = linear_path.measure(model, max_m=5, budget_s=60, reps=1)
-    assert full.complete and set(full.speedup) == set(full.weight_left_ms)
-    assert all(set(gains) == {1, 2, 3, 4, 5} for gains in full.speedup.values())
-    assert all(ms <= set(range(1, 6)) for ms in full.weight_left_ms.values())
+    assert full.complete and set(full.timings) == set(full.plans) == _all_shapes(model)
+    for shape, timing in full.timings.items():
+        # The end points and a prompt chunk always; the counts between unless packed won at all three.
+        assert {1, 5, linear_path.PREFILL_ROWS} <= set(timing["linear"]) <= {1, 2, 3, 4, 5, linear_path.PREFILL_ROWS}
+        if len(timing["linear"]) < 6:
+            assert full.plans[shape].packed
+    dense = linear_path.measure(model, max_m=5, budget_s=60, reps=1, allow_packing=False)
+    assert all(set(t["linear"]) == {1, 2, 3, 4, 5, 64} and "packed" not in t for t in dense.timings.values())
+    assert not any(p.packed for p in dense.plans.values())
     assert linear_path.measured_ms(9) == [1, 2, 3, 4, 6, 8, 9]
 
 

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,7 @@ class FlipCount:
     positions: int = 0
     flips: int = 0
     margins: list[float] = field(default_factory=list)  # top-1 minus top-2 logit at each flip
+    gemm_path: str = "F.linear (as HF)"  # what the k+1-position forwards ran
     seconds: float = 0.0
 
     @property
@@ -42,10 +44,14 @@ class FlipCount:
 
 @torch.inference_mode()
 def count_flips(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, k: int, dtype_name: str,
-                device: torch.device) -> FlipCount:
-    from specdec.models import crop_cache, new_cache
+                device: torch.device, prepare_verify: Callable[[], str] | None = None) -> FlipCount:
+    """Decode each prompt one token at a time (HF `generate`'s path), then re-run the same tokens k+1
+    per forward. `prepare_verify`, called between the two, switches the model to the workers' GEMM
+    path (linear_path), so the count compares the service's verify with HF's own decode."""
+    from specdec.models import new_cache
     result = FlipCount(dtype_name, k)
     started = time.perf_counter()
+    sequences: list[list[int]] = []
     for prompt in prompts:
         cache = new_cache(model)
         ids = torch.tensor([prompt], device=device)
@@ -56,10 +62,17 @@ def count_flips(model: torch.nn.Module, prompts: list[list[int]], new_tokens: in
             sequence.append(token)
             step = torch.tensor([[token]], device=device)
             logits = model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-        # Same tokens, k+1 per forward on the same prefix: row i predicts sequence[j + i + 1].
-        # The first generated token was predicted by the prompt's last position: re-feed that one
-        # token, as a verify's commit does, then the chunks.
-        crop_cache(cache, len(prompt) - 1)
+        sequences.append(sequence)
+    if prepare_verify is not None:
+        result.gemm_path = prepare_verify()
+    for prompt, sequence in zip(prompts, sequences):
+        # Same tokens, k+1 per forward, on a cache the verify path filled itself: row i predicts
+        # sequence[j + i + 1]. The first generated token was predicted by the prompt's last position:
+        # that token goes first, as a verify's commit does, then the chunks.
+        cache = new_cache(model)
+        if len(prompt) > 1:
+            model(input_ids=torch.tensor([prompt[:-1]], device=device), past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
         fed = [prompt[-1]] + sequence[:-1]
         for start in range(0, len(fed), k + 1):
             chunk = fed[start:start + k + 1]
@@ -89,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", default=str(ROOT / "bench" / "prompts.jsonl"))
     parser.add_argument("--max-prompts", type=int, default=9)
+    parser.add_argument("--gemm-path", choices=("auto", "library"), default="auto",
+                        help="auto: the k+1-position forwards run the GEMM path a worker picks at startup "
+                             "(linear_path), against HF's one-at-a-time decode; library: F.linear for both")
     parser.add_argument("--out", help="write the counts as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -102,7 +118,14 @@ def main(argv: list[str] | None = None) -> None:
     results: list[FlipCount] = []
     for name in args.dtypes.split(","):
         loaded = load_model(args.model, getattr(torch, name), str(device))
-        results.append(count_flips(loaded.model, prompts, args.new_tokens, args.k, name, device))
+        prepare = None
+        if args.gemm_path == "auto":
+            from specdec import linear_path
+            model = loaded.model
+
+            def prepare() -> str:
+                return linear_path.choose_and_apply(model, max(args.k + 1, 16), 10.0).summary()
+        results.append(count_flips(loaded.model, prompts, args.new_tokens, args.k, name, device, prepare))
         del loaded
     machine = describe_machine()
     print(f"model {args.model} on {device}; {machine['cpu']} (flags {machine['flags']}); {machine['gpu']}; "
@@ -110,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| dtype | positions | flips | rate | top-2 margin at flips | s |\n|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r.dtype} | {r.positions} | {r.flips} | {r.rate:.2%} | {r.margins or '-'} | {r.seconds:.0f} |")
+    for r in results:
+        print(f"{r.dtype} verify path: {r.gemm_path}")
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": machine, "model": args.model, "device": str(device),
                                               "results": [asdict(r) | {"rate": r.rate} for r in results]},
