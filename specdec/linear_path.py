@@ -15,8 +15,8 @@ distinct weight shape of its model, three ways to compute the same product and k
 A shape either keeps its dense weight (and picks `linear` or `weight_left` per M) or swaps it for the
 packed one (every M): one copy of the weights, never two. Timings are taken cold, cycling through
 several layers' weights: a forward reads each weight once, and repeating one weight times the cache.
-The choice changes only the reduction order of the same product, as any kernel switch does; greedy
-identity is checked by the tests, `specdec flips` and the bench's identity column.
+The choice changes only the reduction order, as any kernel switch does; greedy identity is checked
+by the tests, `specdec flips` and the bench's identity column.
 """
 from __future__ import annotations
 
@@ -125,16 +125,10 @@ class PathChoice:
         if not self.plans:
             return "F.linear everywhere (" + ("measurement skipped)" if self.complete else "budget ran out)")
         parts = []
-        for shape, plan in sorted(self.plans.items()):
-            name = f"{shape[0]}x{shape[1]}"
-            gain = self._gain_text(shape)
-            if plan.packed:
-                parts.append(f"{name}: oneDNN packed{gain}")
-            elif any(plan.weight_left):
-                rows = {m for m, left in zip(plan.grid, plan.weight_left) if left}
-                parts.append(f"{name}: weight-left at M={_ranges(frozenset(rows))}{gain}")
-            else:
-                parts.append(f"{name}: F.linear")
+        for (out, inp), plan in sorted(self.plans.items()):
+            rows = frozenset(m for m, left in zip(plan.grid, plan.weight_left) if left)
+            what = "oneDNN packed" if plan.packed else f"weight-left at M={_ranges(rows)}" if rows else "F.linear"
+            parts.append(f"{out}x{inp}: {what}{self._gain_text((out, inp)) if plan.swaps else ''}")
         return "; ".join(parts) + ("" if self.complete else " (budget ran out: the rest stays F.linear)")
 
     def _gain_text(self, shape: tuple[int, int]) -> str:
@@ -278,6 +272,7 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
 
 def apply(model: torch.nn.Module, choice: PathChoice) -> int:
     """Swap every nn.Linear whose shape's plan differs from F.linear for a PathLinear; returns how many."""
+    from specdec.models import own_tensors
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -286,6 +281,8 @@ def apply(model: torch.nn.Module, choice: PathChoice) -> int:
                 if plan is not None and plan.swaps:
                     setattr(parent, name, PathLinear(child, plan))
                     swapped += 1
+    if any(plan.packed for plan in choice.plans.values()):
+        own_tensors(model)  # the dense weights are gone: let the checkpoint's mapping go with them
     return swapped
 
 

@@ -152,6 +152,22 @@ def set_torch_threads(threads: int | None) -> None:
         torch.set_num_threads(int(os.environ["SPECDEC_TORCH_THREADS"]))
 
 
+@torch.no_grad()
+def own_tensors(model: torch.nn.Module) -> None:
+    """Copy every parameter and buffer into process memory.
+
+    A safetensors checkpoint is memory-mapped: its tensors are views of the file. When some weights
+    are replaced (linear_path packs them), the mapping stays alive while any tensor from it does, and
+    the pages the packing read stay in the process's RSS: a packed 1.5B target showed 12 GB instead
+    of 6. Owning the rest lets the mapping go."""
+    for param in model.parameters():
+        param.data = param.data.clone()
+    for module in model.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = buffer.clone()
+
+
 # ----------------------------------------------------------------------------- KV cache helpers
 
 def new_cache(model: torch.nn.Module) -> Any:

@@ -108,6 +108,20 @@ def test_tied_weights_are_never_packed() -> None:
     assert linear_path.PACKED not in choice.timings[vocab_shape] and not choice.plans[vocab_shape].packed
 
 
+def test_owning_the_tensors_keeps_values_and_ties() -> None:
+    """After packing, the rest of the model is copied out of the (memory-mapped) checkpoint: the values
+    and the tied weights stay as they were."""
+    from specdec.models import own_tensors
+    model = load_model("tiny:seed=0").model
+    model.lm_head.weight = model.get_input_embeddings().weight
+    before = {name: (t.data_ptr(), t.clone()) for name, t in model.state_dict(keep_vars=True).items()}
+    own_tensors(model)
+    after = model.state_dict(keep_vars=True)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[n][1], after[n]) and before[n][0] != after[n].data_ptr() for n in before)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+
+
 def _fake_timer(ms: dict[str, dict[int, float]]) -> linear_path._ShapeTimer:
     timer = linear_path._ShapeTimer.__new__(linear_path._ShapeTimer)
     timer.ms = ms
