@@ -66,7 +66,10 @@ class TraceWriter:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", buffering=1)
+        # A .gz name gets gzip (appended runs become gzip members, which gzip reads as one stream);
+        # anything else is line-buffered JSONL.
+        self._file: Any = (gzip.open(self.path, "at") if self.path.suffix == ".gz"
+                           else open(self.path, "a", buffering=1))
         self._lock = threading.Lock()
         log.info("recording round traces to %s", self.path)
 
@@ -96,7 +99,9 @@ class TraceWriter:
 def load_traces(path: str | Path) -> list[RoundTrace]:
     """The rounds of a trace file (JSONL, or JSONL.gz as kept in docs/bench)."""
     traces = []
-    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
+    with open(path, "rb") as raw:
+        compressed = raw.read(2) == b"\x1f\x8b"  # by content, not by name
+    with (gzip.open(path, "rt") if compressed else open(path)) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue

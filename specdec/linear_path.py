@@ -21,6 +21,8 @@ by the tests, `specdec flips` and the bench's identity column.
 from __future__ import annotations
 
 import bisect
+import collections
+import functools
 import itertools
 import logging
 import math
@@ -53,11 +55,18 @@ def weight_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+@functools.cache
 def packing_supported(dtype: torch.dtype) -> bool:
-    """oneDNN's packed linear is there (CPU build with mkldnn) for this dtype."""
-    return (dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """oneDNN's packed linear runs here for this dtype: probed once, since a CPU build can have the op
+    and still refuse the dtype (bf16 on a CPU without AVX-512 BF16 support raises)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        packed_linear(torch.ones(1, 8, dtype=dtype), pack(torch.ones(8, 8, dtype=dtype)), None, 8)
+    except (AttributeError, RuntimeError) as exc:  # AttributeError: a torch without the ops
+        log.info("oneDNN packed weights unavailable for %s: %s", dtype, exc)
+        return False
+    return True
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -168,11 +177,8 @@ def measured_ms(max_m: int) -> list[int]:
 
 def _shared_weights(model: torch.nn.Module) -> set[int]:
     """Storage of weights held by more than one module (tied embeddings): packing those would keep two copies."""
-    seen: dict[int, int] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            seen[param.data_ptr()] = seen.get(param.data_ptr(), 0) + 1
-    return {ptr for ptr, n in seen.items() if n > 1}
+    held = collections.Counter(p.data_ptr() for m in model.modules() for p in m.parameters(recurse=False))
+    return {ptr for ptr, n in held.items() if n > 1}
 
 
 class _ShapeTimer:
@@ -181,13 +187,10 @@ class _ShapeTimer:
 
     def __init__(self, linears: list[torch.nn.Linear], reps: int, can_pack: bool) -> None:
         weight = linears[0].weight
-        n = max(1, min(len(linears), math.ceil(COLD_BYTES / max(1, weight.numel() * weight.element_size()))))
-        self.linears = linears[:n]
+        self.linears = linears[:max(1, math.ceil(COLD_BYTES / max(1, weight.numel() * weight.element_size())))]
         self.reps = reps
         self.packed = [pack(lin.weight) for lin in self.linears] if can_pack else []
-        self.ms: dict[str, dict[int, float]] = {LINEAR: {}, WEIGHT_LEFT: {}}
-        if can_pack:
-            self.ms[PACKED] = {}
+        self.ms: dict[str, dict[int, float]] = {LINEAR: {}, WEIGHT_LEFT: {}} | ({PACKED: {}} if can_pack else {})
 
     def time(self, m: int) -> None:
         first = self.linears[0]

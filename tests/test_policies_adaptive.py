@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import SpeculationConfig, SpeculationOverride
-from orchestrator.traces import RoundTrace, load_traces
+from orchestrator.traces import RoundTrace, TraceWriter, load_traces
 from specdec.tools import simulator
 from specdec.errors import InvalidRequest
 from orchestrator.kpolicy import (PAIR_ACCEPTANCE_ALPHA, SESSION_ACCEPTANCE_ALPHA, BanditPolicy, CostModelPolicy, KPolicy,
@@ -104,6 +104,16 @@ async def test_tune_on_recorded_traces_writes_a_config_the_orchestrator_accepts(
     packed = tmp_path / "traces.jsonl.gz"
     packed.write_bytes(gzip.compress(trace_file.read_bytes()))
     assert load_traces(packed) == traces
+    misnamed = tmp_path / "plain.jsonl.gz"  # plain JSONL under a .gz name reads too
+    misnamed.write_bytes(trace_file.read_bytes())
+    assert load_traces(misnamed) == traces
+    written = tmp_path / "written.jsonl.gz"  # a .gz name is written as gzip, appended runs included
+    for _ in range(2):
+        writer = TraceWriter(written)
+        for trace in traces[:3]:
+            writer.write(trace)
+        writer.close()
+    assert written.read_bytes()[:2] == b"\x1f\x8b" and load_traces(written) == traces[:3] * 2
     assert any(t.accepted < t.drafted for t in traces) and any(t.accepted == t.drafted for t in traces)
     from specdec.tools import tune
     out_cfg = tmp_path / "best.toml"

@@ -99,6 +99,24 @@ def test_greedy_output_is_unchanged_with_packed_weights_everywhere() -> None:
     assert out[0, 3:].tolist() == reference
 
 
+def test_a_cpu_that_refuses_packing_keeps_the_dense_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN refuses bf16 packing on CPUs without AVX-512 BF16 (a RuntimeError at reorder): the probe
+    says so once and the worker keeps F.linear / weight-left instead of failing at startup."""
+    def refuse(weight: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(linear_path, "pack", refuse)
+    linear_path.packing_supported.cache_clear()
+    try:
+        assert not linear_path.packing_supported(torch.float32)
+        model = load_model("tiny:seed=0").model
+        choice = linear_path.measure(model, max_m=2, budget_s=60, reps=1)
+        assert choice.complete and choice.plans and not any(p.packed for p in choice.plans.values())
+        assert all(linear_path.PACKED not in t for t in choice.timings.values())
+    finally:
+        linear_path.packing_supported.cache_clear()  # the next test probes the real oneDNN again
+
+
 def test_tied_weights_are_never_packed() -> None:
     """Packing a weight another module also holds would keep two copies of it."""
     model = load_model("tiny:seed=0").model
@@ -182,6 +200,19 @@ def test_cost_curve_measures_and_interpolates() -> None:
     sparse = CostCurve(((1, 64, 10.0), (5, 64, 30.0), (1, 512, 99.0)))
     assert sparse.ms(1) == 10.0 and sparse.ms(3) == 20.0 and sparse.ms(5) == 30.0 and sparse.ms(6) is None
     assert CostCurve.from_pb(sparse.to_pb()) == sparse
+
+
+def test_a_calibration_point_above_a_larger_one_is_noise() -> None:
+    """Contention only adds time: one slow point must not price every larger k and batch as slow."""
+    noisy = CostCurve(((1, 64, 304.0), (3, 64, 849.0), (5, 64, 236.0), (9, 64, 296.0), (32, 64, 620.0),
+                       (1, 256, 999.0)))
+    assert noisy.rows_curve() == ((1, 236.0), (3, 236.0), (5, 236.0), (9, 296.0), (32, 620.0))
+    assert noisy.ms(3) == 236.0 and noisy.ms(7) == pytest.approx(266.0)
+    steady = CostCurve(((1, 64, 100.0), (4, 64, 150.0), (9, 64, 300.0)))
+    assert steady.rows_curve() == ((1, 100.0), (4, 150.0), (9, 300.0))  # a rising curve is kept as measured
+    seeded = seeded_stats(describe(noisy.points), describe(noisy.points), max_k=8)
+    assert seeded.timing.verify_by_k[2].value == 236.0  # k = 2 verifies 3 tokens
+    assert seeded.timing.load.forward_ms(16) < 620.0
 
 
 async def test_workers_report_their_curve_in_get_info() -> None:
