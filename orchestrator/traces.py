@@ -66,10 +66,9 @@ class TraceWriter:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # A .gz name gets gzip (appended runs become gzip members, which gzip reads as one stream);
-        # anything else is line-buffered JSONL.
-        self._file: Any = (gzip.open(self.path, "at") if self.path.suffix == ".gz"
-                           else open(self.path, "a", buffering=1))
+        # Line-buffered plain JSONL whatever the name: a killed orchestrator loses at most a line
+        # (a gzip stream without its trailer would lose the file). `compress` packs it afterwards.
+        self._file = open(self.path, "a", buffering=1)
         self._lock = threading.Lock()
         log.info("recording round traces to %s", self.path)
 
@@ -99,14 +98,29 @@ class TraceWriter:
 def load_traces(path: str | Path) -> list[RoundTrace]:
     """The rounds of a trace file (JSONL, or JSONL.gz as kept in docs/bench)."""
     traces = []
-    with open(path, "rb") as raw:
-        compressed = raw.read(2) == b"\x1f\x8b"  # by content, not by name
-    with (gzip.open(path, "rt") if compressed else open(path)) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                traces.append(RoundTrace(**json.loads(line)))
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{n}: not a round trace: {exc}") from exc
+    with (gzip.open(path, "rt") if _is_gzip(path) else open(path)) as f:  # by content, not by name
+        try:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    traces.append(RoundTrace(**json.loads(line)))
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"{path}:{n}: not a round trace: {exc}") from exc
+        except EOFError:  # a gzip stream cut short: keep its complete lines
+            log.warning("%s ends early: read %d rounds", path, len(traces))
     return traces
+
+
+def _is_gzip(path: str | Path) -> bool:
+    with open(path, "rb") as raw:
+        return raw.read(2) == b"\x1f\x8b"
+
+
+def compress(path: str | Path) -> None:
+    """Gzip a finished trace file in place if its name says .gz and its content is not yet."""
+    path = Path(path)
+    if path.suffix == ".gz" and path.exists() and not _is_gzip(path):
+        packed = path.with_name(path.name + ".tmp")
+        packed.write_bytes(gzip.compress(path.read_bytes()))
+        packed.replace(path)

@@ -8,15 +8,14 @@ distinct weight shape of its model, three ways to compute the same product and k
   time grows almost linearly with M from M = 2.
 - `weight_left`: `(W @ x.T).T`, the weight as the GEMM's left, large operand: near one read of W at
   small M where `F.linear` is not.
-- `packed`: the weight reordered once into oneDNN's blocked layout and run by oneDNN's matmul (what
-  torch.compile's CPU backend does for linears). On the Zen 4 it is nearly flat from M = 1 to 16 and
-  1.5-3.5x faster than either dense path for the float32 target.
+- `packed`: the weight reordered once into oneDNN's blocked layout and run by oneDNN's matmul (the
+  ops torch.compile's CPU backend uses for bf16 linears). On the Zen 4 it is nearly flat from M = 1
+  to 16 and 1.5-3.5x faster than either dense path for the float32 target.
 
 A shape either keeps its dense weight (and picks `linear` or `weight_left` per M) or swaps it for the
-packed one (every M): one copy of the weights, never two. Timings are taken cold, cycling through
-several layers' weights: a forward reads each weight once, and repeating one weight times the cache.
-The choice changes only the reduction order, as any kernel switch does; greedy identity is checked
-by the tests, `specdec flips` and the bench's identity column.
+packed one (every M): one copy of the weights, never two. Timings cycle through the layers' weights
+(up to COLD_BYTES): a forward reads each weight once, and repeating one weight times the cache. The
+choice changes only the reduction order; greedy identity is checked by the tests and `specdec flips`.
 """
 from __future__ import annotations
 
@@ -58,7 +57,7 @@ def weight_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 @functools.cache
 def packing_supported(dtype: torch.dtype) -> bool:
     """oneDNN's packed linear runs here for this dtype: probed once, since a CPU build can have the op
-    and still refuse the dtype (bf16 on a CPU without AVX-512 BF16 support raises)."""
+    and still refuse the dtype (bf16 packing raises on a CPU without avx512bw/vl/dq or avx_ne_convert)."""
     if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -159,15 +158,15 @@ def _ranges(ms: frozenset[int]) -> str:
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
-def _median_ms(fn: Callable[[], object], reps: int) -> float:
+def _least_ms(fn: Callable[[], object], reps: int) -> float:
+    """The fastest of `reps` runs after a warm-up: contention only ever adds time."""
     fn()  # warm-up: first call allocates and picks kernels
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2] * 1000.0
+    return min(times) * 1000.0
 
 
 def measured_ms(max_m: int) -> list[int]:
@@ -182,8 +181,8 @@ def _shared_weights(model: torch.nn.Module) -> set[int]:
 
 
 class _ShapeTimer:
-    """Times the paths of one weight shape cold: each timing is one pass over several layers'
-    weights (at least COLD_BYTES), divided by the layers."""
+    """Times the paths of one weight shape: each timing is one pass over the layers' weights (as
+    many as COLD_BYTES takes, or all there are), divided by the layers."""
 
     def __init__(self, linears: list[torch.nn.Linear], reps: int, can_pack: bool) -> None:
         weight = linears[0].weight
@@ -205,7 +204,7 @@ class _ShapeTimer:
                                     for p, lin in zip(self.packed, self.linears)]
         with torch.inference_mode():
             for path, run in runs.items():
-                self.ms[path][m] = _median_ms(run, self.reps) / n
+                self.ms[path][m] = _least_ms(run, self.reps) / n
 
     def dense_ms(self, m: int) -> float:
         library, left = self.ms[LINEAR][m], self.ms[WEIGHT_LEFT][m]
@@ -234,8 +233,9 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
             clock: Callable[[], float] = time.monotonic, allow_packing: bool = True) -> PathChoice:
     """Time the paths for each distinct Linear shape at M = 1..max_m (and a prompt chunk's rows).
 
-    The end points (M = 1, max_m, the prompt chunk) come first: where the packed path wins at all
-    three, it is taken without timing the rest of the grid."""
+    The end points and the middle (M = 1, the middle of the grid, max_m, the prompt chunk) come
+    first: where the packed path wins at all of them, it is taken without timing the rest (a
+    shortcut: a dense path winning only between them would go unseen)."""
     started = clock()
     choice = PathChoice()
     by_shape: dict[tuple[int, int], list[torch.nn.Linear]] = {}
@@ -255,11 +255,11 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
                     and linears[0].weight.device.type == "cpu"
                     and not any(lin.weight.data_ptr() in shared for lin in linears))
         timer = _ShapeTimer(linears, reps, can_pack)
-        ends = sorted({decode[0], decode[-1]} | ({prefill} if prefill else set()))
+        ends = sorted({decode[0], decode[len(decode) // 2], decode[-1]} | ({prefill} if prefill else set()))
         order = ends + [m for m in decode if m not in ends]
         for i, m in enumerate(order):
             if i >= len(ends) and all(timer.packed_wins(e) for e in ends):
-                break  # packed everywhere that brackets the range: the rest cannot change the plan
+                break  # packed wins where it was timed: take it without the rest
             if clock() - started > budget_s:
                 choice.complete = False
                 break

@@ -51,9 +51,10 @@ def test_a_dense_plan_takes_the_choice_of_the_measured_count_below() -> None:
     assert linear_path.ShapePlan(packed=True).swaps
 
 
-@pytest.mark.skipif(not linear_path.packing_supported(torch.float32), reason="torch built without oneDNN")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_packed_path_computes_the_same_product_and_holds_one_copy(dtype: torch.dtype) -> None:
+    if not linear_path.packing_supported(dtype):  # e.g. bf16 on an AVX2-only CPU
+        pytest.skip(f"oneDNN packing refuses {dtype} on this CPU")
     linear = torch.nn.Linear(48, 80).to(dtype)
     path = linear_path.PathLinear(linear, linear_path.ShapePlan(packed=True))
     assert path.weight is None and path.packed is not None  # the dense weight is dropped, not kept beside
@@ -124,6 +125,8 @@ def test_tied_weights_are_never_packed() -> None:
     choice = linear_path.measure(model, max_m=2, budget_s=60, reps=1)
     vocab_shape = (model.lm_head.out_features, model.lm_head.in_features)
     assert linear_path.PACKED not in choice.timings[vocab_shape] and not choice.plans[vocab_shape].packed
+    if linear_path.packing_supported(torch.float32):  # the control: untied shapes were offered packing
+        assert all(linear_path.PACKED in t for s, t in choice.timings.items() if s != vocab_shape)
 
 
 def test_owning_the_tensors_keeps_values_and_ties() -> None:
@@ -165,6 +168,39 @@ def test_the_plan_weighs_every_decode_count_and_guards_the_prompt_chunk() -> Non
     assert not linear_path._plan(_fake_timer({"linear": dict(flat), "weight_left": dict(flat)}), decode, 64).packed
 
 
+def test_measure_takes_packed_at_the_end_points_and_drops_a_shape_the_budget_cut(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deterministic timings: one shape where packed wins at M = 1, the middle, max_m and the prompt
+    chunk (the rest is not timed), one where it loses (the whole grid is timed), and a budget that
+    ends inside the third shape (dropped: it stays F.linear, and the choice says incomplete)."""
+    model = load_model("tiny:seed=0").model
+    order = sorted(_all_shapes(model), key=lambda s: -s[0] * s[1] * sum(
+        1 for m in model.modules() if isinstance(m, torch.nn.Linear) and (m.out_features, m.in_features) == s))
+    wins, loses = order[0], order[1]
+    timed: dict[tuple[int, int], list[int]] = {}
+    now = [0.0]
+
+    def fake_time(self: linear_path._ShapeTimer, m: int) -> None:
+        shape = (self.linears[0].out_features, self.linears[0].in_features)
+        timed.setdefault(shape, []).append(m)
+        now[0] += 1.0
+        packed = 0.5 if shape == wins else 3.0
+        self.ms[linear_path.LINEAR][m], self.ms[linear_path.WEIGHT_LEFT][m] = 2.0, 1.0 if m == 2 else 4.0
+        self.ms.setdefault(linear_path.PACKED, {})[m] = packed
+
+    monkeypatch.setattr(linear_path._ShapeTimer, "time", fake_time)
+    monkeypatch.setattr(linear_path, "packing_supported", lambda dtype: True)
+    monkeypatch.setattr(linear_path, "pack", lambda weight: weight)  # nothing is run: no oneDNN needed
+    grid = linear_path.measured_ms(8)  # [1, 2, 3, 4, 6, 8]
+    ends = [1, grid[len(grid) // 2], 8, linear_path.PREFILL_ROWS]
+    budget = len(ends) + len(grid) + 1 + 2.5  # each timing is a second: both shapes, then into the third
+    choice = linear_path.measure(model, max_m=8, budget_s=budget, reps=1, clock=lambda: now[0])
+    assert timed[wins] == ends and choice.plans[wins].packed
+    assert sorted(timed[loses]) == sorted(grid + [linear_path.PREFILL_ROWS]) and not choice.plans[loses].packed
+    assert choice.plans[loses].weight_left_at(2) and not choice.plans[loses].weight_left_at(3)
+    assert len(timed) == 3 and order[2] not in choice.plans and not choice.complete
+
+
 def test_measure_respects_its_budget() -> None:
     model = load_model("tiny:seed=0").model
     ticks = itertools.count()
@@ -173,8 +209,8 @@ def test_measure_respects_its_budget() -> None:
     full = linear_path.measure(model, max_m=5, budget_s=60, reps=1)
     assert full.complete and set(full.timings) == set(full.plans) == _all_shapes(model)
     for shape, timing in full.timings.items():
-        # The end points and a prompt chunk always; the counts between unless packed won at all three.
-        assert {1, 5, linear_path.PREFILL_ROWS} <= set(timing["linear"]) <= {1, 2, 3, 4, 5, linear_path.PREFILL_ROWS}
+        # The end points, the middle and a prompt chunk always; the rest unless packed won at those.
+        assert {1, 3, 5, linear_path.PREFILL_ROWS} <= set(timing["linear"]) <= {1, 2, 3, 4, 5, linear_path.PREFILL_ROWS}
         if len(timing["linear"]) < 6:
             assert full.plans[shape].packed
     dense = linear_path.measure(model, max_m=5, budget_s=60, reps=1, allow_packing=False)

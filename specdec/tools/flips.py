@@ -121,12 +121,11 @@ def main(argv: list[str] | None = None) -> None:
         prepare = None
         if args.gemm_path == "auto":
             from specdec import linear_path
-            model = loaded.model
 
-            def prepare() -> str:
+            def prepare(model: torch.nn.Module = loaded.model) -> str:
                 return linear_path.choose_and_apply(model, max(args.k + 1, 16), 10.0).summary()
         results.append(count_flips(loaded.model, prompts, args.new_tokens, args.k, name, device, prepare))
-        del loaded
+        del loaded, prepare  # the closure holds the model too: free it before the next dtype loads
     machine = describe_machine()
     print(f"model {args.model} on {device}; {machine['cpu']} (flags {machine['flags']}); {machine['gpu']}; "
           f"torch {machine['torch']}; {len(prompts)} prompts x {args.new_tokens} tokens, k = {args.k}")

@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
         with local_services(args.target, args.draft, threads, orch_args, worker_args=args.worker_args.split(),
                             cpu_sets=cpu_sets) as address:
             results, _ = run(address)
+        if args.trace_file:
+            from orchestrator.traces import compress
+            compress(args.trace_file)  # the orchestrator has stopped: its plain JSONL becomes .gz if so named
     machine = describe_machine()
     command = "specdec loadtest " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     report = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
