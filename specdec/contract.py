@@ -170,10 +170,10 @@ class CostCurve:
 
     def rows_curve(self) -> tuple[tuple[int, float], ...]:
         """(tokens, ms) at the shortest measured context, by tokens, each ms lowered to the least at
-        any larger token count. Timing noise only adds: two co-located workers calibrating at the
-        same moment once made 3 tokens cost 849 ms between 304 ms at 1 and 236 ms at 5, and kept
-        high by a running maximum that one point priced every k >= 2 and every batch up to 32 rows
-        at 849 ms. Where a smaller forward really costs more (F.linear at 2 rows on some CPUs), this
+        any larger token count. Timing noise only adds: one startup once measured 3 tokens at 849 ms
+        between 304 ms at 1 and 236 ms at 5 (the workers calibrate one after the other; the cause
+        was not found), and kept high by a running maximum that one point priced every k >= 2 and
+        every batch up to 32 rows at 849 ms. Where a smaller forward really costs more (F.linear at 2 rows on some CPUs), this
         prices it as the larger one."""
         if not self.points:
             return ()

@@ -82,8 +82,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 @dataclass(frozen=True)
 class ShapePlan:
     """What one weight shape runs. Packed: every M through oneDNN's packed weight. Dense: per measured
-    row count, weight-left or F.linear; a count between two measured ones takes the lower one's choice
-    (and past the last, the last's)."""
+    row count, weight-left or F.linear; any other count takes the choice of the one below it."""
     packed: bool = False
     grid: tuple[int, ...] = ()
     weight_left: tuple[bool, ...] = ()
@@ -98,8 +97,7 @@ class ShapePlan:
 
 
 class PathLinear(torch.nn.Module):
-    """nn.Linear computed the way its shape's plan says. A packed plan drops the dense weight, so the
-    worker holds one copy of the weights either way."""
+    """nn.Linear computed the way its shape's plan says (a packed plan drops the dense weight)."""
 
     def __init__(self, linear: torch.nn.Linear, plan: ShapePlan) -> None:
         super().__init__()
@@ -206,9 +204,11 @@ class _ShapeTimer:
             for path, run in runs.items():
                 self.ms[path][m] = _least_ms(run, self.reps) / n
 
+    def left_wins(self, m: int) -> bool:
+        return self.ms[WEIGHT_LEFT][m] < MIN_GAIN * self.ms[LINEAR][m]
+
     def dense_ms(self, m: int) -> float:
-        library, left = self.ms[LINEAR][m], self.ms[WEIGHT_LEFT][m]
-        return left if left < MIN_GAIN * library else library
+        return self.ms[WEIGHT_LEFT if self.left_wins(m) else LINEAR][m]
 
     def packed_wins(self, m: int) -> bool:
         return PACKED in self.ms and self.ms[PACKED][m] <= self.dense_ms(m)
@@ -217,8 +217,8 @@ class _ShapeTimer:
 def _plan(timer: _ShapeTimer, decode: list[int], prefill: int | None) -> ShapePlan:
     """Packed if it is faster on average over the decode row counts (each count weighs the same, as a
     ratio to the best path there) and does not slow a prompt chunk past PREFILL_SLACK; else dense."""
-    dense = ShapePlan(False, tuple(sorted(timer.ms[LINEAR])),
-                      tuple(timer.ms[WEIGHT_LEFT][m] < MIN_GAIN * timer.ms[LINEAR][m] for m in sorted(timer.ms[LINEAR])))
+    grid = tuple(sorted(timer.ms[LINEAR]))
+    dense = ShapePlan(False, grid, tuple(timer.left_wins(m) for m in grid))
     if PACKED not in timer.ms:
         return dense
     packed_ms = timer.ms[PACKED]

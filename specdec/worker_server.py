@@ -136,7 +136,7 @@ def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve()) 
     chunk = str(args.prefill_chunk)
     curve: tuple[tuple[int, float], ...] = ()  # sizes each forward's prompt budget (auto, measured)
     if chunk == "auto":
-        rows_curve = tuple(cost_curve.rows_curve())
+        rows_curve = cost_curve.rows_curve()
         measured = prefill_chunk_for(rows_curve, args.max_batch, args.max_batch_tokens)
         prefill_chunk = AUTO_PREFILL_CHUNK_FALLBACK if measured is None else measured
         curve = () if measured is None else rows_curve
