@@ -31,7 +31,6 @@ from specdec.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
-
 V = TypeVar("V")
 MAX_REPLICA_ENTRIES = 1024  # per-replica state is bounded: replicas come and go with scaling
 
@@ -257,6 +256,7 @@ class GenerationEngine:
                 ticket = guard.decide() if guard is not None else None
                 forced_off = ticket is not None and ticket.mode == TARGET_ONLY
                 k = 0 if forced_off else policy.next_k(session.stats, spec.min_k, spec.max_k)
+                log.debug("session %s: k=%d %s", session.session_id, k, session.stats.described(spec.max_k))
                 # A round yields up to k+1 tokens: never draft past the budget, nor past the draft's context.
                 k = min(k, stop.remaining - 1, self.draft_max_context - len(session.tokens))
                 record = await round_.run_guarded(max(0, k), guard, ticket)

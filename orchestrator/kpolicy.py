@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,6 +33,50 @@ class Ewma:
     def update(self, x: float) -> None:
         weight = max(self.alpha, 1.0 / (self.observations + 1.0 + self.prior_weight))
         self.value = (1 - weight) * self.value + weight * x
+        self.observations += 1
+
+
+@dataclass
+class AcceptanceRate:
+    """Per-token acceptance as a ratio of exponentially weighted sums: draft tokens accepted over
+    positions tried (the accepted ones, plus the rejected one where a round ended early).
+
+    This is the geometric model's maximum-likelihood estimate. The mean of each round's own ratio is
+    not: a round that accepts all k says 1 and one rejected at its first token says 0, whatever k,
+    so at a true a = 0.6 the per-round mean is 0.48 at k = 2 and 0.41 at k = 4 (0.61 at a = 0.8,
+    k = 8), and a policy reading it drafts less the more it drafts. Each round decays both sums by
+    1 - alpha; the starting value counts as `prior_positions` tried positions."""
+    alpha: float
+    start: float
+    prior_positions: float = 4.0
+    observations: int = 0
+    _accepted: float = field(init=False, repr=False)
+    _tried: float = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._accepted, self._tried = self.start * self.prior_positions, self.prior_positions
+
+    @property
+    def value(self) -> float:
+        return self._accepted / self._tried if self._tried > 0 else self.start
+
+    @value.setter
+    def value(self, a: float) -> None:
+        """Set the estimate, keeping its weight (tests, and a prior handed to a new session)."""
+        self._tried = self._tried if self._tried > 0 else self.prior_positions
+        self._accepted = a * self._tried
+
+    def relax_towards(self, a: float, rate: float) -> None:
+        """Move the estimate a fraction `rate` of the way to `a`, keeping its weight."""
+        self.value = (1.0 - rate) * self.value + rate * a
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """One round that proposed `drafted` tokens, of which the target accepted the first `accepted`."""
+        if drafted <= 0:
+            return
+        keep = 1.0 - self.alpha
+        self._accepted = keep * self._accepted + accepted
+        self._tried = keep * self._tried + accepted + (1 if accepted < drafted else 0)
         self.observations += 1
 
 
@@ -220,21 +264,36 @@ class TimingModel:
         self.draft_rtt_ms.update(max(0.0, overhead_ms))
 
 
-SESSION_ACCEPTANCE_ALPHA = 0.3  # a session follows its own text quickly
-# A worker pair's prior, which every round of every session updates, averages over about 20 rounds:
-# a new session starts from the pair's typical acceptance, not from whatever the last three rounds
-# of other sessions did (acceptance is bimodal per prompt; at 0.3, a few fully accepted rounds
+# A session follows its own text: each round decays its acceptance sums by 15 % (about 7 rounds of
+# memory). Chosen by replaying traces and synthetic acceptance (iid, bursty, mixed) through the
+# simulator (docs/adaptive-k.md): 0.1-0.2 came within 1 % of each other, 0.3 was noisier and dropped
+# to k = 0 after chance runs of rejections.
+SESSION_ACCEPTANCE_ALPHA = 0.15
+# A session starts from its pair's acceptance weighed as this many tried positions: a round at k = 4
+# already outweighs it.
+SESSION_PRIOR_POSITIONS = 4.0
+# A worker pair's prior, which every round of every session updates, forgets 5 % per round (about 20
+# rounds): a new session starts from the pair's typical acceptance, not from whatever the last three
+# rounds of other sessions did (acceptance is bimodal per prompt; at 0.3, a few fully accepted rounds
 # elsewhere made new sessions start at k = 8 and reject at their first or second token).
 PAIR_ACCEPTANCE_ALPHA = 0.05
-# A fresh pair's starting acceptance (0.7) is a guess: it weighs as 2 rounds, so the pair's first
-# rounds average in at once (after 10 rounds at 0.9 the prior says 0.87, not 0.78).
-PAIR_GUESS_WEIGHT = 2.0
+# A fresh pair's starting acceptance (0.7) is a guess: it weighs as 4 tried positions, so the pair's
+# first rounds average in at once.
+PAIR_GUESS_POSITIONS = 4.0
+# While a session runs target-only, its fast acceptance estimate drifts back this much per round
+# towards its long-run rate (`SessionStats.typical`): acceptance comes in stretches, a target-only
+# round shows nothing of the text that follows, and a dip of two or three rejections, which is noise
+# as often as it is a hard stretch, should not keep the session off until the next probe.
+TARGET_ONLY_RELAX = 0.3
 
 
 @dataclass
 class SessionStats:
     """What a policy sees. Updated by the orchestrator after each round."""
-    acceptance: Ewma = field(default_factory=lambda: Ewma(SESSION_ACCEPTANCE_ALPHA, 0.7))
+    acceptance: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(SESSION_ACCEPTANCE_ALPHA, 0.7))
+    # The session's long-run acceptance (the pair's pace, from the pair's value): what its fast
+    # estimate returns to while target-only rounds show nothing (TARGET_ONLY_RELAX).
+    typical: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(PAIR_ACCEPTANCE_ALPHA, 0.7))
     timing: TimingModel = field(default_factory=TimingModel)
     # Pipelining: how often the draft's guess of the bonus token is the target's, after a fully
     # accepted round (the second condition of a pre-draft hit; the first is accepting all k).
@@ -254,15 +313,19 @@ class SessionStats:
     def as_pair_prior(self) -> "SessionStats":
         """A copy to serve as a fresh worker pair's prior: its acceptance averages over many rounds,
         and its starting value (a guess) gives way to the pair's first rounds."""
-        return self._copy_with(Ewma(PAIR_ACCEPTANCE_ALPHA, self.acceptance.value, prior_weight=PAIR_GUESS_WEIGHT))
+        a = self.acceptance.value
+        return self._copy_with(AcceptanceRate(PAIR_ACCEPTANCE_ALPHA, a, PAIR_GUESS_POSITIONS),
+                               AcceptanceRate(PAIR_ACCEPTANCE_ALPHA, a, PAIR_GUESS_POSITIONS))
 
     def new_session(self) -> "SessionStats":
         """A new session's statistics, from this pair prior: its value, a session's pace."""
-        return self._copy_with(Ewma(SESSION_ACCEPTANCE_ALPHA, self.acceptance.value))
+        a = self.acceptance.value
+        return self._copy_with(AcceptanceRate(SESSION_ACCEPTANCE_ALPHA, a, SESSION_PRIOR_POSITIONS),
+                               AcceptanceRate(PAIR_ACCEPTANCE_ALPHA, a, PAIR_GUESS_POSITIONS))
 
-    def _copy_with(self, acceptance: Ewma) -> "SessionStats":
+    def _copy_with(self, acceptance: AcceptanceRate, typical: AcceptanceRate) -> "SessionStats":
         copied = copy.deepcopy(self)
-        copied.acceptance = acceptance
+        copied.acceptance, copied.typical = acceptance, typical
         return copied
 
     def carry_turn_into(self, prior: "SessionStats", policy_chose_k: bool) -> None:
@@ -273,6 +336,18 @@ class SessionStats:
         prior.timing = copy.deepcopy(self.timing)
         if policy_chose_k:
             prior.failed_probes = self.failed_probes
+
+    def described(self, max_k: int) -> Any:
+        """The estimates a policy reads, as an object that turns into one line when printed: a debug
+        log pays for the formatting only when it is written."""
+        return _Lazy(lambda: self.describe(max_k))
+
+    def describe(self, max_k: int) -> str:
+        t = self.timing
+        verify = " ".join(f"{t.verify_ms(k):.0f}" for k in range(max_k + 1))
+        return (f"a={self.acceptance.value:.2f} draft={t.draft_ms_per_token.value:.1f}ms "
+                f"rtt={t.rtt_ms.value:.1f}/{t.draft_rtt_ms.value:.1f}ms batch={t.load.target_batch.value:.2f} "
+                f"verify(k=0..{max_k})=[{verify}]ms")
 
     def observe(self, record: Any, timing: bool = True) -> None:
         """One round (an orchestrator.rounds.RoundRecord). Prefill rounds say nothing about a k's
@@ -304,9 +379,19 @@ class SessionStats:
             arm[1] += ((accepted + 1) / round_ms - arm[1]) / min(arm[0], 50.0)
         if k == 0:
             self.rounds_since_draft += 1
+            self.acceptance.relax_towards(self.typical.value, TARGET_ONLY_RELAX)
             return
         self.rounds_since_draft = 0
-        self.acceptance.update(per_token_acceptance(k, accepted))
+        self.acceptance.update(k, accepted)
+        self.typical.update(k, accepted)
+
+
+class _Lazy:
+    def __init__(self, text: Callable[[], str]) -> None:
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text()
 
 
 def branch_budget(timing: TimingModel, k: int, depth: int, most: int) -> int:
@@ -323,12 +408,6 @@ def branch_budget(timing: TimingModel, k: int, depth: int, most: int) -> int:
         if depth * per_token * timing.draft_rows_factor(b + 1) + timing.draft_rtt_ms.value <= verify_wall:
             return b
     return 0
-
-
-def per_token_acceptance(drafted: int, accepted: int) -> float:
-    """Under a geometric model, a round with `accepted` successes then (maybe) a failure gives the
-    per-token estimate accepted / (accepted + 1 if rejected else accepted). drafted must be > 0."""
-    return accepted / (accepted + (1 if accepted < drafted else 0))
 
 
 def draft_forwards(k: int, drafted: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from orchestrator.kpolicy import Ewma, per_token_acceptance
+from orchestrator.kpolicy import AcceptanceRate
 from orchestrator.record import RoundRecord
 
 ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -29,9 +29,10 @@ class OrchestratorMetrics:
                                          ["position"], registry=r)
         self.k = Histogram("specdec_round_k", "k chosen per round", buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32),
                            registry=r)
-        self.acceptance = Gauge("specdec_acceptance_rate", "EWMA of per-token acceptance over all rounds",
+        self.acceptance = Gauge("specdec_acceptance_rate", "Per-token acceptance over recent rounds "
+                                "(exponentially weighted accepted / tried positions)",
                                 registry=r)
-        self._acceptance = Ewma(0.3, 0.7)
+        self._acceptance = AcceptanceRate(0.3, 0.7)
         self.round_seconds = Histogram("specdec_round_duration_seconds", "Round time by part", ["part"],
                                        buckets=ROUND_BUCKETS, registry=r)
         self.fallbacks = Counter("specdec_fallback_rounds", "Rounds run target-only because the draft was unusable",
@@ -62,7 +63,7 @@ class OrchestratorMetrics:
         self.round_seconds.labels(part="overhead").observe(overhead / 1000)
         self.round_seconds.labels(part="total").observe(record.round_ms / 1000)
         if record.drafted:
-            self._acceptance.update(per_token_acceptance(record.drafted, record.accepted))
+            self._acceptance.update(record.drafted, record.accepted)
             self.acceptance.set(self._acceptance.value)
         if record.fallback:
             self.fallbacks.inc()

@@ -12,7 +12,7 @@ from orchestrator.kpolicy import (PAIR_ACCEPTANCE_ALPHA, SESSION_ACCEPTANCE_ALPH
 def stats_with(acceptance: float, draft_ms: float = 10.0, verify_base: float = 50.0, verify_slope: float = 2.0,
                rtt: float = 1.0) -> SessionStats:
     s = SessionStats()
-    s.acceptance.value = acceptance
+    s.acceptance.value = s.typical.value = acceptance  # a session whose long-run rate is this too
     s.timing.draft_ms_per_token.value = draft_ms
     s.timing.verify_line.intercept, s.timing.verify_line.slope = verify_base, verify_slope
     s.timing.rtt_ms.value = rtt
@@ -77,6 +77,46 @@ def test_cost_model_probes_after_long_target_only_stretch_and_backs_off() -> Non
     assert policy.next_k(s, 0, 8) > 0 and s.failed_probes == 0
 
 
+def test_acceptance_is_the_ratio_of_accepted_to_tried_positions_not_a_mean_of_round_ratios() -> None:
+    """Rounds of k = 4 on text the draft matches with probability 0.6 per token. The mean of each
+    round's own ratio (1 for a fully accepted round, 0 for a first-token rejection) is biased low,
+    about 0.41 here; accepted / tried positions is the geometric model's estimate."""
+    import random
+    rng = random.Random(7)
+    s, round_ratios, estimates = SessionStats(), [], []
+    for i in range(600):
+        accepted = 0
+        while accepted < 4 and rng.random() < 0.6:
+            accepted += 1
+        s.observe_round(4, accepted)
+        round_ratios.append(accepted / (accepted + (1 if accepted < 4 else 0)))
+        if i >= 50:
+            estimates.append(s.acceptance.value)
+    assert sum(round_ratios) / len(round_ratios) < 0.45  # what the estimate was before
+    assert sum(estimates) / len(estimates) == pytest.approx(0.6, abs=0.04)
+
+
+def test_a_dip_does_not_keep_a_session_off_until_the_next_probe() -> None:
+    """Two first-token rejections in a row take a session whose text is usually drafted well to
+    k = 0. Target-only rounds show nothing new, so its estimate drifts back to its long-run rate and
+    it drafts again after a few rounds, long before the probe (16 rounds)."""
+    policy = CostModelPolicy(probe_every=16)
+    s = stats_with(0.8, draft_ms=20.0, verify_base=50.0, verify_slope=2.0)
+    s.acceptance.value = 0.2  # a hard stretch (or bad luck) just now
+    target_only_rounds = 0
+    while policy.next_k(s, 0, 8) == 0 and target_only_rounds < 16:
+        s.observe_round(0, 0)
+        target_only_rounds += 1
+    assert 1 <= target_only_rounds <= 4
+    # A session whose long-run rate is that low too stays off until the probe.
+    low = stats_with(0.2, draft_ms=20.0, verify_base=50.0, verify_slope=2.0)
+    ks = []
+    for _ in range(16):
+        ks.append(policy.next_k(low, 0, 8))
+        low.observe_round(ks[-1], 0)
+    assert ks == [0] * 16
+
+
 def test_a_guessed_start_gives_way_to_the_first_measurements_and_a_trusted_one_does_not() -> None:
     guess = Ewma(0.2, 1.0, prior_weight=0.0)
     guess.update(60.0)
@@ -120,9 +160,14 @@ def test_a_new_session_starts_from_the_pairs_typical_acceptance_not_its_last_thr
     fresh = SessionStats().as_pair_prior()
     for _ in range(10):
         fresh.observe_round(4, 4)  # a fresh pair whose first rounds accept everything
-    assert fresh.acceptance.value == pytest.approx((2 * 0.7 + 10 * 1.0) / 12)  # the 0.7 guess weighs 2 rounds
+    kept = (1 - PAIR_ACCEPTANCE_ALPHA) ** 10  # the 0.7 guess weighs 4 positions, decayed like the rounds
+    rounds = sum(4 * (1 - PAIR_ACCEPTANCE_ALPHA) ** i for i in range(10))
+    assert fresh.acceptance.value == pytest.approx((0.7 * 4 * kept + rounds) / (4 * kept + rounds))
+    assert fresh.acceptance.value > 0.9
     prior = history(SessionStats().as_pair_prior())
-    assert prior.acceptance.alpha == PAIR_ACCEPTANCE_ALPHA and 0.55 < prior.acceptance.value < 0.65
+    # The three rounds are 24 accepted positions against the pair's 40 rounds of 2 tried each (about
+    # 40 positions at the pair's pace): they move it, but only to about 0.7.
+    assert prior.acceptance.alpha == PAIR_ACCEPTANCE_ALPHA and 0.6 < prior.acceptance.value < 0.75
     session = prior.new_session()
     assert session.acceptance.alpha == SESSION_ACCEPTANCE_ALPHA and session.acceptance.value == prior.acceptance.value
     at_session_pace = history(SessionStats())
@@ -131,10 +176,11 @@ def test_a_new_session_starts_from_the_pairs_typical_acceptance_not_its_last_thr
     for stats in (session, at_session_pace):  # a loaded co-located pair: 180 ms per draft token, flat verify
         stats.timing.draft_ms_per_token.value = 180.0
         stats.timing.verify_by_k = {k: Ewma(0.3, 800.0) for k in range(9)}
-    assert policy.next_k(session, 0, 8) <= 2 < 4 <= policy.next_k(at_session_pace, 0, 8)
+    assert policy.next_k(session, 0, 8) <= 3 < 5 <= policy.next_k(at_session_pace, 0, 8)
     # The session then follows its own text at its own pace, and the prior is not touched.
     session.observe_round(4, 4)
-    assert session.acceptance.value == pytest.approx(0.7 * prior.acceptance.value + 0.3)
+    keep = 1 - SESSION_ACCEPTANCE_ALPHA  # the prior's value weighs SESSION_PRIOR_POSITIONS (4) positions
+    assert session.acceptance.value == pytest.approx((keep * 4 * prior.acceptance.value + 4) / (keep * 4 + 4))
     assert prior.acceptance.value < session.acceptance.value
 
 
@@ -250,7 +296,7 @@ def test_sessions_of_a_pair_share_one_live_load() -> None:
     assert all(s.timing.load.target_batch.value == prior.timing.load.target_batch.value > 1.0 for s in sessions)
     assert all(dict(s.timing.load.rows_curve())[32] == 999.0 for s in sessions)
     # ... while their own statistics stay their own.
-    sessions[2].acceptance.update(0.0)
+    sessions[2].acceptance.update(4, 0)
     assert prior.acceptance.value != sessions[2].acceptance.value
     # A new worker pair starts from the calibration, not from another pair's load.
     other = prior.timing.load.fresh()

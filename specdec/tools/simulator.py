@@ -180,9 +180,11 @@ def simulate(replica: list[tuple[list[int], list[float]]], timing: TimingFit, ma
              min_k: int, max_k: int, min_draft_prob: float) -> SimResult:
     """Run one policy over every episode of a replica; the pair's prior carries across episodes as
     in the orchestrator: it learns from every round, a new session starts from it, and at the end of
-    a turn it takes over the session's timings and probe back-off."""
+    a turn it takes over the session's timings and probe back-off. The prior's timings start from the
+    replayed ones, as the orchestrator's start from the workers' startup calibration."""
     result = SimResult()
     prior = SessionStats().as_pair_prior()
+    prior.timing.seed(timing.draft_ms_per_token or None, {k: timing.verify_ms(k) for k in range(max_k + 1)})
     for match, conf in replica:
         stats = prior.new_session()
         policy = make()

@@ -1,0 +1,99 @@
+"""Replay synthetic acceptance through the cost policy and every fixed k (docs/adaptive-k.md).
+
+Worlds: independent acceptance at a = 0.3 / 0.6 / 0.8, bursty (P(accept | accept) = 0.85,
+P(accept | reject) = 0.4), a mix of texts at a = 0.45..0.9, and the recorded trace
+docs/traces/qwen-coder-k8-greedy.jsonl (imputed as `specdec tune` does). Cost shapes: the trace's
+own (a step at 3 drafts, AMX), flat (oneDNN-packed weights on a CPU) and linear in k. The policy's
+timings are seeded with the true costs, as the orchestrator seeds them from the workers'
+calibration, so what differs between policies is only how they read acceptance.
+
+    python scripts/replay_synthetic.py
+
+Prints, per world and cost shape, the cost policy's tokens/s as a fraction of the best fixed k's.
+Deterministic (seeded). Pure Python: it imports the policy code of the checkout it runs from.
+"""
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from orchestrator.kpolicy import CostModelPolicy, FixedPolicy, KPolicy, SessionStats  # noqa: E402
+from orchestrator.traces import load_traces  # noqa: E402
+from specdec.tools import simulator  # noqa: E402
+
+Replica = list[tuple[list[int], list[float]]]
+
+
+def markov(p_stay: float, p_recover: float, episodes: int = 30, length: int = 150, seed: int = 1) -> Replica:
+    rng, out = random.Random(seed), []
+    for _ in range(episodes):
+        match, prev = [], 1
+        for _ in range(length):
+            prev = int(rng.random() < (p_stay if prev else p_recover))
+            match.append(prev)
+        out.append((match, [1.0] * length))
+    return out
+
+
+def mixed(seed: int = 2) -> Replica:
+    out: Replica = []
+    for i in range(30):
+        a = (0.9, 0.75, 0.6, 0.45)[i % 4]
+        out += markov(a, a, 1, 150, seed + i)
+    return out
+
+
+def replay(world: Replica, timing: simulator.TimingFit, make: Callable[[], KPolicy], lo: int, hi: int) -> float:
+    """Tokens/s of one policy over the world; the prior's timings seeded with the true costs."""
+    result = simulator.SimResult()
+    prior = SessionStats().as_pair_prior()
+    prior.timing.seed(timing.draft_ms_per_token, {k: timing.verify_ms(k) for k in range(hi + 1)})
+    for match, _ in world:
+        stats, policy = prior.new_session(), make()
+        n, j = len(match), 0
+        while j < n:
+            k = max(0, min(policy.next_k(stats, lo, hi), n - j - 1))
+            accepted = 0
+            while accepted < k and match[j + accepted] == 1:
+                accepted += 1
+            round_ms = k * timing.draft_ms_per_token + timing.verify_ms(k) + timing.rpc_overhead_ms * (2 if k else 1)
+            if k:
+                stats.timing.observe_draft(k, k * timing.draft_ms_per_token)
+            stats.timing.observe_verify(k, timing.verify_ms(k))
+            stats.timing.observe_rtt(timing.rpc_overhead_ms)
+            stats.observe_round(k, accepted, round_ms)
+            prior.observe_round(k, accepted, round_ms)
+            produced = min(accepted + 1, n - j)
+            j += produced
+            result.add(simulator.SimResult(produced, round_ms, 1, k, accepted))
+        stats.carry_turn_into(prior, policy_chose_k=True)
+    return result.tokens_per_s
+
+
+def main() -> None:
+    data = simulator.build(load_traces(ROOT / "docs" / "traces" / "qwen-coder-k8-greedy.jsonl"))
+    rng = random.Random(0)
+    worlds = {"trace": [ep for _ in range(8) for ep in simulator.impute(data, rng)],
+              "iid a=0.3": markov(0.3, 0.3), "iid a=0.6": markov(0.6, 0.6), "iid a=0.8": markov(0.8, 0.8),
+              "bursty .85/.4": markov(0.85, 0.4), "mixed .45-.9": mixed()}
+    costs = {"step (trace)": data.timing,
+             "flat": simulator.TimingFit(80.0, {k: 315.0 + 2.0 * k for k in range(9)}, 4.0),
+             "linear": simulator.TimingFit(60.0, {k: 300.0 + 40.0 * k for k in range(9)}, 4.0)}
+    print("| world | costs | best fixed k | its tok/s | k = 0 / best | cost policy / best |")
+    print("|---|---|---|---|---|---|")
+    for wname, world in worlds.items():
+        for cname, timing in costs.items():
+            fixed = {k: replay(world, timing, lambda k=k: FixedPolicy(k), k, k) for k in range(9)}
+            best = max(fixed, key=fixed.get)
+            cost = replay(world, timing, lambda: CostModelPolicy(probe_every=8), 0, 8)
+            print(f"| {wname} | {cname} | {best} | {fixed[best]:.2f} | {fixed[0] / fixed[best]:.3f} "
+                  f"| {cost / fixed[best]:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
