@@ -45,10 +45,12 @@ class AcceptanceRate:
     not: a round that accepts all k says 1 and one rejected at its first token says 0, whatever k,
     so at a true a = 0.6 the per-round mean is 0.48 at k = 2 and 0.41 at k = 4 (0.61 at a = 0.8,
     k = 8), and a policy reading it drafts less the more it drafts. Each round decays both sums by
-    1 - alpha; the starting value counts as `prior_positions` tried positions."""
+    1 - alpha; the starting value counts as `prior_positions` tried positions; the sums never hold
+    more than `max_positions` (scaled down together, the ratio kept)."""
     alpha: float
     start: float
     prior_positions: float = 4.0
+    max_positions: float = math.inf
     observations: int = 0
     _accepted: float = field(init=False, repr=False)
     _tried: float = field(init=False, repr=False)
@@ -77,6 +79,9 @@ class AcceptanceRate:
         keep = 1.0 - self.alpha
         self._accepted = keep * self._accepted + accepted
         self._tried = keep * self._tried + accepted + (1 if accepted < drafted else 0)
+        if self._tried > self.max_positions:
+            scale = self.max_positions / self._tried
+            self._accepted, self._tried = self._accepted * scale, self.max_positions
         self.observations += 1
 
 
@@ -272,6 +277,11 @@ SESSION_ACCEPTANCE_ALPHA = 0.15
 # A session starts from its pair's acceptance weighed as this many tried positions: a round at k = 4
 # already outweighs it.
 SESSION_PRIOR_POSITIONS = 4.0
+# ... and holds at most this many tried positions of evidence. A round adds as many positions as it
+# tried: after a stretch of fully accepted rounds at k = 8 the sums held about 50, and a hard stretch
+# (one position a round) took 11 rounds to bring the estimate under the break-even, drafting 8 each
+# time; capped at 10, 7 (scripts/replay_synthetic.py, its last line), at no cost in the replays.
+SESSION_MAX_POSITIONS = 10.0
 # A worker pair's prior, which every round of every session updates, forgets 5 % per round (about 20
 # rounds): a new session starts from the pair's typical acceptance, not from whatever the last three
 # rounds of other sessions did (acceptance is bimodal per prompt; at 0.3, a few fully accepted rounds
@@ -290,7 +300,8 @@ TARGET_ONLY_RELAX = 0.3
 @dataclass
 class SessionStats:
     """What a policy sees. Updated by the orchestrator after each round."""
-    acceptance: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(SESSION_ACCEPTANCE_ALPHA, 0.7))
+    acceptance: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(
+        SESSION_ACCEPTANCE_ALPHA, 0.7, SESSION_PRIOR_POSITIONS, SESSION_MAX_POSITIONS))
     # The session's long-run acceptance (the pair's pace, from the pair's value): what its fast
     # estimate returns to while target-only rounds show nothing (TARGET_ONLY_RELAX).
     typical: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(PAIR_ACCEPTANCE_ALPHA, 0.7))
@@ -320,7 +331,7 @@ class SessionStats:
     def new_session(self) -> "SessionStats":
         """A new session's statistics, from this pair prior: its value, a session's pace."""
         a = self.acceptance.value
-        return self._copy_with(AcceptanceRate(SESSION_ACCEPTANCE_ALPHA, a, SESSION_PRIOR_POSITIONS),
+        return self._copy_with(AcceptanceRate(SESSION_ACCEPTANCE_ALPHA, a, SESSION_PRIOR_POSITIONS, SESSION_MAX_POSITIONS),
                                AcceptanceRate(PAIR_ACCEPTANCE_ALPHA, a, PAIR_GUESS_POSITIONS))
 
     def _copy_with(self, acceptance: AcceptanceRate, typical: AcceptanceRate) -> "SessionStats":
@@ -366,10 +377,13 @@ class SessionStats:
             self.bonus_match.update(1.0 if record.predraft_hit else 0.0)
         if record.predraft_branch_hit is not None:
             self.branch_match.update(1.0 if record.predraft_branch_hit else 0.0)
-        self.observe_round(record.drafted, record.accepted, record.round_ms if record.steady else None)
+        self.observe_round(record.drafted, record.accepted, record.round_ms if record.steady else None, record.k)
 
-    def observe_round(self, k: int, accepted: int, round_ms: float | None = None) -> None:
-        """Per-token acceptance from one round: accepted of k (a rejection ends the round)."""
+    def observe_round(self, k: int, accepted: int, round_ms: float | None = None, chosen_k: int | None = None) -> None:
+        """Per-token acceptance from one round: accepted of k drafted (a rejection ends the round);
+        chosen_k, the k the round asked for (default: k), tells a target-only round the policy chose
+        from one that drafted nothing for another reason (an early stop at the first token, a draft
+        fallback)."""
         self.rounds += 1
         self.last_k, self.last_accepted = k, accepted
         if round_ms is not None and round_ms > 0:
@@ -379,7 +393,10 @@ class SessionStats:
             arm[1] += ((accepted + 1) / round_ms - arm[1]) / min(arm[0], 50.0)
         if k == 0:
             self.rounds_since_draft += 1
-            self.acceptance.relax_towards(self.typical.value, TARGET_ONLY_RELAX)
+            # Only while no probe has failed lately: where drafting was tried and lost, the long-run
+            # rate is stale, and the probes' doubling waits decide when to try again.
+            if (k if chosen_k is None else chosen_k) == 0 and self.failed_probes == 0:
+                self.acceptance.relax_towards(self.typical.value, TARGET_ONLY_RELAX)
             return
         self.rounds_since_draft = 0
         self.acceptance.update(k, accepted)
@@ -480,7 +497,13 @@ class CostModelPolicy:
     def next_k(self, stats: SessionStats, min_k: int, max_k: int) -> int:
         best = self._argmax(stats, min_k, max_k)
         if best > 0:
-            stats.failed_probes = 0
+            if stats.rounds_since_draft == 0:
+                stats.failed_probes = 0  # the last round drafted, and with its outcome drafting still pays
+            else:
+                # Back from target-only on an estimate no drafting round has confirmed (it relaxed
+                # towards the session's long-run rate): that is a probe, and counts as one until a
+                # drafting round confirms it. So a stale long-run rate buys one round, not one per relax.
+                stats.failed_probes += 1
             return best
         if max_k > 0 and self.probe_every:
             if stats.rounds_since_draft >= self.probe_every * 2 ** min(stats.failed_probes, 4):

@@ -10,6 +10,9 @@ calibration, so what differs between policies is only how they read acceptance.
     python scripts/replay_synthetic.py
 
 Prints, per world and cost shape, the cost policy's tokens/s as a fraction of the best fixed k's.
+Then the guard rail: a session that drafts well (800 tokens at a = 0.9) meets text the draft cannot
+follow (300 tokens at a = 0.2) with a slow draft (150 ms a token against 315 for the target): what the
+hard stretch costs against target-only, and after how many of its rounds the policy first runs k = 0.
 Deterministic (seeded). Pure Python: it imports the policy code of the checkout it runs from.
 """
 from __future__ import annotations
@@ -75,6 +78,35 @@ def replay(world: Replica, timing: simulator.TimingFit, make: Callable[[], KPoli
     return result.tokens_per_s
 
 
+def hard_stretch(seed: int, draft_ms: float = 150.0) -> tuple[float, int]:
+    """(the hard stretch's time against target-only's for its tokens, rounds into it until k = 0)."""
+    rng = random.Random(seed)
+    match = [int(rng.random() < 0.9) for _ in range(800)] + [int(rng.random() < 0.2) for _ in range(300)]
+    timing = simulator.TimingFit(draft_ms, {k: 315.0 + 2.0 * k for k in range(9)}, 4.0)
+    prior = SessionStats().as_pair_prior()
+    prior.timing.seed(timing.draft_ms_per_token, {k: timing.verify_ms(k) for k in range(9)})
+    stats, policy = prior.new_session(), CostModelPolicy(probe_every=8)
+    j, hard_ms, hard_tokens, hard_rounds, first_off = 0, 0.0, 0, 0, 0
+    while j < len(match):
+        k = max(0, min(policy.next_k(stats, 0, 8), len(match) - j - 1))
+        accepted = 0
+        while accepted < k and match[j + accepted] == 1:
+            accepted += 1
+        round_ms = k * draft_ms + timing.verify_ms(k) + timing.rpc_overhead_ms * (2 if k else 1)
+        if k:
+            stats.timing.observe_draft(k, k * draft_ms)
+        stats.timing.observe_verify(k, timing.verify_ms(k))
+        stats.timing.observe_rtt(timing.rpc_overhead_ms)
+        stats.observe_round(k, accepted, round_ms)
+        produced = min(accepted + 1, len(match) - j)
+        if j >= 800:
+            hard_rounds += 1
+            hard_ms, hard_tokens = hard_ms + round_ms, hard_tokens + produced
+            first_off = first_off or (hard_rounds if k == 0 else 0)
+        j += produced
+    return hard_ms / (hard_tokens * (timing.verify_ms(0) + timing.rpc_overhead_ms)), first_off
+
+
 def main() -> None:
     data = simulator.build(load_traces(ROOT / "docs" / "traces" / "qwen-coder-k8-greedy.jsonl"))
     rng = random.Random(0)
@@ -93,6 +125,10 @@ def main() -> None:
             cost = replay(world, timing, lambda: CostModelPolicy(probe_every=8), 0, 8)
             print(f"| {wname} | {cname} | {best} | {fixed[best]:.2f} | {fixed[0] / fixed[best]:.3f} "
                   f"| {cost / fixed[best]:.3f} |")
+    runs = [hard_stretch(seed) for seed in range(20)]
+    ratios, first_off = [r for r, _ in runs], [n for _, n in runs]
+    print(f"\nhard stretch after an easy one, slow draft, 20 seeds: {sum(ratios) / 20:.3f}x target-only's time "
+          f"(worst {max(ratios):.3f}x); first k = 0 after {sum(first_off) / 20:.1f} rounds (most {max(first_off)})")
 
 
 if __name__ == "__main__":

@@ -117,6 +117,39 @@ def test_a_dip_does_not_keep_a_session_off_until_the_next_probe() -> None:
     assert ks == [0] * 16
 
 
+def test_a_stale_long_run_rate_buys_one_round_not_one_per_relax() -> None:
+    """A session whose long-run rate (0.7) is stale meets text the draft never matches. Relaxing
+    towards 0.7 takes it back to drafting once; that round counts as a probe, and after it fails
+    only the doubling probes draft (without the gating: drafts at rounds 2, 3, 5, 7, 9, 13, 18, 27)."""
+    policy = CostModelPolicy(probe_every=4)
+    s = stats_with(0.7)
+    s.acceptance.value = 0.05  # typical stays 0.7
+    drafted = []
+    for i in range(31):
+        k = policy.next_k(s, 0, 8)
+        if k:
+            drafted.append(i)
+        s.observe_round(k, 0)
+    assert 1 <= len(drafted) <= 4, drafted
+    assert s.failed_probes >= 2
+
+
+def test_a_long_easy_stretch_does_not_make_the_estimate_deaf_to_a_hard_one() -> None:
+    """After 30 fully accepted rounds at k = 8 the text turns hard: every first draft is rejected.
+    A round adds the positions it tried, so the easy rounds (8 each) would outweigh the hard ones
+    (1 each) for a dozen rounds; the session's evidence is capped, and it stops drafting sooner."""
+    policy = CostModelPolicy()
+    s = stats_with(0.9, draft_ms=150.0, verify_base=315.0, verify_slope=2.0, rtt=4.0)
+    for _ in range(30):
+        s.observe_round(8, 8)
+    assert policy.next_k(s, 0, 8) == 8
+    rounds = 0
+    while (k := policy.next_k(s, 0, 8)) > 0 and rounds < 30:
+        s.observe_round(k, 0)
+        rounds += 1
+    assert rounds <= 8, rounds
+
+
 def test_a_guessed_start_gives_way_to_the_first_measurements_and_a_trusted_one_does_not() -> None:
     guess = Ewma(0.2, 1.0, prior_weight=0.0)
     guess.update(60.0)

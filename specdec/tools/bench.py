@@ -454,17 +454,20 @@ def describe_machine() -> dict[str, Any]:
     """What a figure depends on: CPU model and the flags that change small-M GEMM, or the GPU."""
     import os
     import subprocess
-    cpu, flags = platform.processor() or "unknown CPU", set()
+    cpu, flags, fields = platform.processor() or "unknown CPU", set(), {}
     try:
         for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "Model name":
-                cpu = value.strip()
-            elif key.strip() == "Flags":
-                flags = set(value.split())
+            fields[key.strip()] = value.strip()
+        cpu = fields.get("Model name", cpu)
+        flags = set(fields.get("Flags", "").split())
+        # Model names can be generic ("AMD EPYC" for Zen 4 and Zen 5 alike): family and model tell them apart.
+        if "CPU family" in fields and "Model" in fields:
+            cpu += f" (family {fields['CPU family']} model {fields['Model']})"
     except (OSError, subprocess.SubprocessError):
         pass
-    relevant = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"]
+    relevant = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni",
+                "amx_bf16", "amx_tile"]
     gpu = "no GPU"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
