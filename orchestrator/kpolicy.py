@@ -65,7 +65,7 @@ class AcceptanceRate:
     @value.setter
     def value(self, a: float) -> None:
         """Set the estimate, keeping its weight (tests, and a prior handed to a new session)."""
-        self._tried = self._tried if self._tried > 0 else self.prior_positions
+        self._tried = self._tried if self._tried > 0 else max(self.prior_positions, 1.0)
         self._accepted = a * self._tried
 
     def relax_towards(self, a: float, rate: float) -> None:
