@@ -52,7 +52,11 @@ def mixed(seed: int = 2) -> Replica:
 
 
 def replay(world: Replica, timing: simulator.TimingFit, make: Callable[[], KPolicy], lo: int, hi: int) -> float:
-    """Tokens/s of one policy over the world; the prior's timings seeded with the true costs."""
+    """Tokens/s of one policy over the world; the prior's timings seeded with the true costs.
+
+    The loop of simulator.simulate (without the early stop), kept here on purpose: the script is
+    also run with an older checkout's orchestrator/ and specdec/ on the path, to compare policy
+    code, and the simulators of older checkouts did not seed the timings."""
     result = simulator.SimResult()
     prior = SessionStats().as_pair_prior()
     prior.timing.seed(timing.draft_ms_per_token, {k: timing.verify_ms(k) for k in range(hi + 1)})
