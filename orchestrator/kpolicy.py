@@ -297,14 +297,23 @@ PAIR_GUESS_POSITIONS = 4.0
 TARGET_ONLY_RELAX = 0.3
 
 
+def session_acceptance(a: float) -> AcceptanceRate:
+    """A session's estimate, starting at a: the session's pace, prior weight and cap."""
+    return AcceptanceRate(SESSION_ACCEPTANCE_ALPHA, a, SESSION_PRIOR_POSITIONS, SESSION_MAX_POSITIONS)
+
+
+def pair_acceptance(a: float) -> AcceptanceRate:
+    """A worker pair's (and a session's long-run) estimate, starting at a: the pair's pace."""
+    return AcceptanceRate(PAIR_ACCEPTANCE_ALPHA, a, PAIR_GUESS_POSITIONS)
+
+
 @dataclass
 class SessionStats:
     """What a policy sees. Updated by the orchestrator after each round."""
-    acceptance: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(
-        SESSION_ACCEPTANCE_ALPHA, 0.7, SESSION_PRIOR_POSITIONS, SESSION_MAX_POSITIONS))
+    acceptance: AcceptanceRate = field(default_factory=lambda: session_acceptance(0.7))
     # The session's long-run acceptance (the pair's pace, from the pair's value): what its fast
     # estimate returns to while target-only rounds show nothing (TARGET_ONLY_RELAX).
-    typical: AcceptanceRate = field(default_factory=lambda: AcceptanceRate(PAIR_ACCEPTANCE_ALPHA, 0.7))
+    typical: AcceptanceRate = field(default_factory=lambda: pair_acceptance(0.7))
     timing: TimingModel = field(default_factory=TimingModel)
     # Pipelining: how often the draft's guess of the bonus token is the target's, after a fully
     # accepted round (the second condition of a pre-draft hit; the first is accepting all k).
@@ -325,14 +334,12 @@ class SessionStats:
         """A copy to serve as a fresh worker pair's prior: its acceptance averages over many rounds,
         and its starting value (a guess) gives way to the pair's first rounds."""
         a = self.acceptance.value
-        return self._copy_with(AcceptanceRate(PAIR_ACCEPTANCE_ALPHA, a, PAIR_GUESS_POSITIONS),
-                               AcceptanceRate(PAIR_ACCEPTANCE_ALPHA, a, PAIR_GUESS_POSITIONS))
+        return self._copy_with(pair_acceptance(a), pair_acceptance(a))
 
     def new_session(self) -> "SessionStats":
         """A new session's statistics, from this pair prior: its value, a session's pace."""
         a = self.acceptance.value
-        return self._copy_with(AcceptanceRate(SESSION_ACCEPTANCE_ALPHA, a, SESSION_PRIOR_POSITIONS, SESSION_MAX_POSITIONS),
-                               AcceptanceRate(PAIR_ACCEPTANCE_ALPHA, a, PAIR_GUESS_POSITIONS))
+        return self._copy_with(session_acceptance(a), pair_acceptance(a))
 
     def _copy_with(self, acceptance: AcceptanceRate, typical: AcceptanceRate) -> "SessionStats":
         copied = copy.deepcopy(self)

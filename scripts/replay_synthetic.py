@@ -51,6 +51,29 @@ def mixed(seed: int = 2) -> Replica:
     return out
 
 
+def seeded_prior(timing: simulator.TimingFit, max_k: int) -> SessionStats:
+    """A pair's prior with its timings seeded from the true costs, as the orchestrator seeds them."""
+    prior = SessionStats().as_pair_prior()
+    prior.timing.seed(timing.draft_ms_per_token, {k: timing.verify_ms(k) for k in range(max_k + 1)})
+    return prior
+
+
+def play_round(stats: SessionStats, policy: KPolicy, match: list[int], j: int, timing: simulator.TimingFit,
+               lo: int, hi: int) -> tuple[int, int, float, int]:
+    """One round at position j, observed by the session: (k, accepted, round ms, tokens produced)."""
+    k = max(0, min(policy.next_k(stats, lo, hi), len(match) - j - 1))
+    accepted = 0
+    while accepted < k and match[j + accepted] == 1:
+        accepted += 1
+    round_ms = k * timing.draft_ms_per_token + timing.verify_ms(k) + timing.rpc_overhead_ms * (2 if k else 1)
+    if k:
+        stats.timing.observe_draft(k, k * timing.draft_ms_per_token)
+    stats.timing.observe_verify(k, timing.verify_ms(k))
+    stats.timing.observe_rtt(timing.rpc_overhead_ms)
+    stats.observe_round(k, accepted, round_ms)
+    return k, accepted, round_ms, min(accepted + 1, len(match) - j)
+
+
 def replay(world: Replica, timing: simulator.TimingFit, make: Callable[[], KPolicy], lo: int, hi: int) -> float:
     """Tokens/s of one policy over the world; the prior's timings seeded with the true costs.
 
@@ -58,24 +81,12 @@ def replay(world: Replica, timing: simulator.TimingFit, make: Callable[[], KPoli
     also run with an older checkout's orchestrator/ and specdec/ on the path, to compare policy
     code, and the simulators of older checkouts did not seed the timings."""
     result = simulator.SimResult()
-    prior = SessionStats().as_pair_prior()
-    prior.timing.seed(timing.draft_ms_per_token, {k: timing.verify_ms(k) for k in range(hi + 1)})
+    prior = seeded_prior(timing, hi)
     for match, _ in world:
-        stats, policy = prior.new_session(), make()
-        n, j = len(match), 0
-        while j < n:
-            k = max(0, min(policy.next_k(stats, lo, hi), n - j - 1))
-            accepted = 0
-            while accepted < k and match[j + accepted] == 1:
-                accepted += 1
-            round_ms = k * timing.draft_ms_per_token + timing.verify_ms(k) + timing.rpc_overhead_ms * (2 if k else 1)
-            if k:
-                stats.timing.observe_draft(k, k * timing.draft_ms_per_token)
-            stats.timing.observe_verify(k, timing.verify_ms(k))
-            stats.timing.observe_rtt(timing.rpc_overhead_ms)
-            stats.observe_round(k, accepted, round_ms)
+        stats, policy, j = prior.new_session(), make(), 0
+        while j < len(match):
+            k, accepted, round_ms, produced = play_round(stats, policy, match, j, timing, lo, hi)
             prior.observe_round(k, accepted, round_ms)
-            produced = min(accepted + 1, n - j)
             j += produced
             result.add(simulator.SimResult(produced, round_ms, 1, k, accepted))
         stats.carry_turn_into(prior, policy_chose_k=True)
@@ -87,22 +98,10 @@ def hard_stretch(seed: int, draft_ms: float = 150.0) -> tuple[float, int]:
     rng = random.Random(seed)
     match = [int(rng.random() < 0.9) for _ in range(800)] + [int(rng.random() < 0.2) for _ in range(300)]
     timing = simulator.TimingFit(draft_ms, {k: 315.0 + 2.0 * k for k in range(9)}, 4.0)
-    prior = SessionStats().as_pair_prior()
-    prior.timing.seed(timing.draft_ms_per_token, {k: timing.verify_ms(k) for k in range(9)})
-    stats, policy = prior.new_session(), CostModelPolicy(probe_every=8)
+    stats, policy = seeded_prior(timing, 8).new_session(), CostModelPolicy(probe_every=8)
     j, hard_ms, hard_tokens, hard_rounds, first_off = 0, 0.0, 0, 0, 0
     while j < len(match):
-        k = max(0, min(policy.next_k(stats, 0, 8), len(match) - j - 1))
-        accepted = 0
-        while accepted < k and match[j + accepted] == 1:
-            accepted += 1
-        round_ms = k * draft_ms + timing.verify_ms(k) + timing.rpc_overhead_ms * (2 if k else 1)
-        if k:
-            stats.timing.observe_draft(k, k * draft_ms)
-        stats.timing.observe_verify(k, timing.verify_ms(k))
-        stats.timing.observe_rtt(timing.rpc_overhead_ms)
-        stats.observe_round(k, accepted, round_ms)
-        produced = min(accepted + 1, len(match) - j)
+        k, _, round_ms, produced = play_round(stats, policy, match, j, timing, 0, 8)
         if j >= 800:
             hard_rounds += 1
             hard_ms, hard_tokens = hard_ms + round_ms, hard_tokens + produced

@@ -173,8 +173,8 @@ class CostCurve:
         any larger token count. Timing noise only adds: one startup once measured 3 tokens at 849 ms
         between 304 ms at 1 and 236 ms at 5 (the workers calibrate one after the other; the cause
         was not found), and kept high by a running maximum that one point priced every k >= 2 and
-        every batch up to 32 rows at 849 ms. Where a smaller forward really costs more (F.linear at 2 rows on some CPUs), this
-        prices it as the larger one."""
+        every batch up to 32 rows at 849 ms. Where a smaller forward really costs more (F.linear at
+        2 rows on some CPUs), this prices it as the larger one."""
         if not self.points:
             return ()
         context = min(c for _, c, _ in self.points)
