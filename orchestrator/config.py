@@ -77,8 +77,8 @@ class SpeculationConfig:
         "`pipeline`: on one shared CPU the two prefills compete for the same cores."))
     guard: bool = field(default=True, metadata=_doc(
         "Pair guard: the worker pair runs in epochs, speculating or target-only for all its sessions at "
-        "once, and keeps the mode whose steady rounds made more tokens per second, re-measuring the other "
-        "in short epochs (docs/adaptive-k.md, \"The pair guard\"). It catches what per-session costs "
+        "once, and keeps the mode that made more tokens per second over whole turns (a turn's first round, "
+        "then steady rounds), re-measuring the other in short epochs (docs/adaptive-k.md, \"The pair guard\"). It catches what per-session costs "
         "miss: a co-located draft slowing every verify, load. For the `cost` and `bandit` policies with "
         "min_k = 0."))
     guard_spec_rounds: int = field(default=32, metadata=_doc(

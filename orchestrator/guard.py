@@ -22,9 +22,12 @@ target-only 20 % low and kept a losing speculation on for another 40 s).
 A decision holds for the load it was measured at. When the pair's concurrency (the most guarded
 rounds in flight over the last LOAD_WINDOW decisions) moves LOAD_SHIFT times above or below what it
 was when the epoch began, and by at least MIN_LOAD_CHANGE rounds, the rates compared so far are of
-another load: the guard drops them and measures both modes again, the current winner first, in
-short epochs, instead of holding the old decision through a winner's epoch that may be 64x a probe
-long. Being a peak over a window, the load sees a rise at once and a fall only after LOAD_WINDOW
+another load, and the old decision's epoch may be 64x a probe long. If the pair was decided at
+about the new load before, that decision comes back, once (`_take_back_decision`). Otherwise the
+guard drops the rates and measures both modes again in short epochs: after a rise target-only
+first (the mode that batching favours, and the safe one while the new sessions' prompts arrive;
+provisionally, with no hysteresis in the comparison that follows), after a fall the current winner
+first. Being a peak over a window, the load sees a rise at once and a fall only after LOAD_WINDOW
 decisions: an epoch that straddles a fall can still be decided on mixed rates. Sessions that the
 guard does not steer (fixed k, heuristic, min_k > 0) are not counted in the load.
 
@@ -37,18 +40,45 @@ the wave rather than the mode (seen on a 2-core CPU: a target-only probe during 
 0.79 tok/s per session against 1.2 steady, and kept a losing speculation on for the rest of the
 load). What only speculation costs around prompts (the draft prefilling them on shared cores, which
 slows every forward beside it) is not removed: it is no row of the target's forward. Not counted in
-either mode: prompts, and the draft's catch-up on the tokens of a target-only epoch (the first speculating
-round of each session after one; in a target-only epoch the draft is not fed). Pure Python, no
-clock: rates come from the rounds' own times, so tests drive it with synthetic rounds.
+the steady rates: prompts (they enter per turn, below), and the draft's catch-up on the tokens of a
+target-only epoch (the first speculating round of each session after one; in a target-only epoch the
+draft is not fed).
+
+Then whole turns: a turn's first round costs more speculating than target-only (the draft prefills
+the prompt and drafts on the critical path) and makes a few more tokens. Under load on shared
+cores that decides the comparison (loadtest run 27, 2-core Zen 5, 4 streams: steady speculating
+rounds made 5.7 tok/s per session against target-only's 5.4, but a first round took 1.8 s for 2.9
+tokens against 1.0 s for one, and 32-token turns came out 3 % slower speculating). So the guard
+compares the modes per turn of the pair's mean length L (over the last 1 / (1 - TURN_MEMORY) or so
+turns that ended): a turn costs its first round plus the rest of L at the mode's steady rate. The
+first rounds are read from turns that began speculating, as pairs: the whole round (what
+speculating paid, for the tokens it made) against its target call alone (what target-only would
+have paid for the same prompt, at the same load and in the same wave of arrivals, for one token).
+Pairing keeps a wave of prompts that happens to fall into one mode's epoch from deciding the
+comparison. A first round counts if it was decided clean (as above) and its draft had no backlog
+to catch up on (a session back from a target-only epoch: that is the epoch's cost, not a turn's).
+Two errors remain, in opposite directions: the target call also ran beside other sessions'
+drafting, which prices target-only's first round a little high; and while target-only wins, first
+rounds are sampled in speculating probes, beside the other sessions' catch-ups, which prices
+speculating's high. Until about three turns (MIN_FIRST_ROUNDS) have begun speculating at the
+current load, the steady rates alone decide.
+
+Pure Python, no clock: rates come from the rounds' own times, so tests drive it with synthetic rounds.
 
 Lossless by construction: the guard only chooses k, before a round runs, from earlier rounds' times.
+
+Over 300 lines: the epochs, the load restarts with their memory and the per-turn prices are one
+state machine over the same rates, and a fifth of the lines are this description.
 """
 from __future__ import annotations
 
+import copy
 import logging
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +87,14 @@ MEASUREMENT_COST = 0.03  # what the losing mode's re-measurements may cost, as a
 LOAD_SHIFT = 2.0         # concurrency this many times higher or lower than when the epoch began: measure anew
 LOAD_WINDOW = 32         # decisions over which the pair's concurrency is taken (their most rounds in flight)
 MIN_LOAD_CHANGE = 2      # ... and by at least this many rounds in flight
+TURN_MEMORY = 0.9        # per new turn, the weight left to older turns in the per-turn figures
+MIN_FIRST_ROUNDS = 2.5   # decayed count of first rounds (about 3) before turns are priced with them
+
+
+def same_load(a: int, b: int) -> bool:
+    """Two concurrencies (rounds in flight) are one load: within LOAD_SHIFT of each other, or less
+    than MIN_LOAD_CHANGE apart (so that 1 <-> 2 sessions, common at low load, does not count)."""
+    return abs(a - b) < MIN_LOAD_CHANGE or 1.0 / LOAD_SHIFT < a / max(b, 1) < LOAD_SHIFT
 
 
 def without_prompt_rows(round_ms: float, verify_ms: float, rows: float, prompt_rows: float,
@@ -92,6 +130,43 @@ class GuardSettings:
         return self
 
 
+@dataclass
+class FirstRounds:
+    """Decayed sums over the first rounds of turns that began speculating (see the module doc)."""
+    turns: float = 0.0
+    round_ms: float = 0.0   # the whole round: what speculating paid
+    target_ms: float = 0.0  # its target call's wall time: what target-only would have paid
+    tokens: float = 0.0     # what speculating made (target-only: one token)
+
+    def add(self, round_ms: float, target_ms: float, tokens: int) -> None:
+        self.turns = self.turns * TURN_MEMORY + 1.0
+        self.round_ms = self.round_ms * TURN_MEMORY + round_ms
+        self.target_ms = self.target_ms * TURN_MEMORY + min(target_ms, round_ms)
+        self.tokens = self.tokens * TURN_MEMORY + tokens
+
+
+def per_turn_rates(spec_rate: float, off_rate: float, turn_tokens: float,
+                   first: FirstRounds) -> tuple[float, float] | None:
+    """(speculating, target-only) tokens per ms over a whole turn of `turn_tokens` tokens: its first
+    round as `first` measured it, the rest at the mode's steady rate. None where it cannot tell."""
+    n = first.turns
+    if n <= 0 or spec_rate <= 0 or off_rate <= 0 or turn_tokens <= 0:
+        return None
+    spec_ms = first.round_ms / n + max(0.0, turn_tokens - first.tokens / n) / spec_rate
+    off_ms = first.target_ms / n + max(0.0, turn_tokens - 1.0) / off_rate
+    if spec_ms <= 0 or off_ms <= 0:
+        return None
+    return turn_tokens / spec_ms, turn_tokens / off_ms
+
+
+class Decision(NamedTuple):
+    """A comparison's outcome, as remembered for the load it was measured at."""
+    speculation_wins: bool
+    rates: dict[str, float | None]
+    first_rounds: FirstRounds
+    last_ms: dict[str, float]
+
+
 @dataclass(frozen=True)
 class GuardTicket:
     """What the guard decided for one round; handed back with the round's outcome (or abandoned)."""
@@ -108,7 +183,10 @@ class PairGuard:
     def __init__(self, settings: GuardSettings = GuardSettings(), name: str = "pair") -> None:
         self.settings = settings.validate()
         self.name = name
-        self.speculation_wins = True  # what the last comparison found (a new pair starts speculating)
+        # What the last comparison found (a new pair starts speculating). After a rise in load with
+        # nothing remembered for the new load: target-only provisionally, until the comparison.
+        self.speculation_wins = True
+        self._provisional_from: bool | None = None  # what was found before a provisional target-only
         self.streak = 0               # decisions in a row that confirmed it
         self.epoch = 0
         self.mode = SPECULATE         # what the current epoch runs
@@ -122,6 +200,11 @@ class PairGuard:
         self._recent_in_flight: deque[int] = deque(maxlen=LOAD_WINDOW)  # rounds in flight at each decision
         self._epoch_load = 0      # the pair's concurrency when the current epoch began (0: not yet known)
         self.load_restarts = 0
+        self.first_rounds = FirstRounds()  # turns begun speculating at the current load
+        # The last decision at each load it was measured at (rounds in flight); taken back at most once.
+        self._decided_at: dict[int, Decision] = {}
+        self._turns = 0.0        # decayed count of the turns that ended ...
+        self._turn_tokens = 0.0  # ... and of their tokens: the pair's mean turn length
         self._counted = 0
         self._drafting = 0    # counted rounds that drafted
         self._tokens = 0.0
@@ -139,7 +222,10 @@ class PairGuard:
             self._epoch_load = self.load  # the pair's first round
         elif self._load_shifted():
             if self._counted == 0 and all(rate is None for rate in self.rates.values()):
-                self._epoch_load = self.load  # already measuring afresh, nothing counted yet: a ramp
+                # Already measuring afresh, nothing counted yet: a ramp. It may reach a load decided before.
+                self._epoch_load = self.load
+                if self._take_back_decision():
+                    self._begin_epoch(self.winner)
             else:
                 self._restart_for_load()
         clean = all(epoch == self.epoch for epoch in self._outstanding)
@@ -154,24 +240,66 @@ class PairGuard:
         return max(self._recent_in_flight, default=0)
 
     def _load_shifted(self) -> bool:
-        """The load is LOAD_SHIFT times above or below the epoch's start, and by at least
-        MIN_LOAD_CHANGE rounds (so that 1 <-> 2 sessions, common at low load, does not count)."""
-        now, then = self.load, self._epoch_load
-        if abs(now - then) < MIN_LOAD_CHANGE:
-            return False
-        return not 1.0 / LOAD_SHIFT < now / then < LOAD_SHIFT
+        """The load is no longer the one the epoch began at (`same_load`)."""
+        return not same_load(self.load, self._epoch_load)
 
     def _restart_for_load(self) -> None:
         """The load moved by LOAD_SHIFT or more since the epoch began: the rates compared so far
-        were measured at another load. Measure both modes anew, the current winner first, in
-        short epochs, rather than hold the old decision for the rest of a long epoch."""
-        log.info("pair %s: up to %d guarded rounds in flight lately, against %d when the epoch began: "
-                 "measuring both modes again",
-                 self.name, self.load, self._epoch_load)
+        were measured at another load, and the old decision's epoch may be long. If the pair was
+        decided at about this load before (`same_load`) and has not taken that decision back since,
+        it comes back with its rates, and its winner runs a winner's epoch (`_length`) before the
+        other mode is measured again (a load that moves between two levels pays for exploring each
+        level every other visit, not at every move; taken back once only, so that a load that moves
+        faster than a winner's epoch still gets its loser measured).
+        Otherwise both modes are measured anew in short epochs: after a fall the current winner
+        first, after a rise target-only first. A rise is where speculation stops paying (batching
+        makes each target-only token cheaper, the drafts' rows make each forward dearer), and the
+        turns that raised the load begin in the safe mode instead of paying for speculating prompts."""
+        rise = self.load > self._epoch_load
         self.load_restarts += 1
         self.streak = 0
-        self.rates = {SPECULATE: None, TARGET_ONLY: None}
+        log.info("pair %s: up to %d guarded rounds in flight lately, against %d when the epoch began",
+                 self.name, self.load, self._epoch_load)
+        if not self._take_back_decision():
+            self.rates = {SPECULATE: None, TARGET_ONLY: None}
+            self.first_rounds = FirstRounds()
+            if rise and self.speculation_wins:
+                self._provisional_from, self.speculation_wins = True, False  # until the comparison
+            elif not rise and self._provisional_from is not None:  # a fall before the comparison
+                self.speculation_wins, self._provisional_from = self._provisional_from, None
+            log.info("pair %s: measuring both modes again, %s first", self.name, self.winner_name)
         self._begin_epoch(self.winner)
+
+    def _take_back_decision(self) -> bool:
+        """Take back (once) the last decision taken at about the current load, if any (see
+        _restart_for_load). A change of mode this way is logged like a decision's."""
+        near = [load for load in self._decided_at if same_load(load, self.load)]
+        if not near:
+            return False
+        load = min(near, key=lambda load: abs(math.log(load / max(self.load, 1))))
+        decision = self._decided_at.pop(load)
+        was = self._settled_winner
+        self._provisional_from = None
+        self.speculation_wins = decision.speculation_wins
+        self.rates, self.first_rounds = dict(decision.rates), copy.copy(decision.first_rounds)
+        self._last_ms = dict(decision.last_ms)
+        self.streak = 0
+        log.log(self._level_of(was), "pair %s: %s, as decided at %d rounds in flight before", self.name,
+                self.winner_name, load)
+        if was != self.speculation_wins:
+            self.flips += 1
+        return True
+
+    @property
+    def _settled_winner(self) -> bool:
+        """Whether speculation won the last comparison (a provisional target-only is not one)."""
+        return self._provisional_from if self._provisional_from is not None else self.speculation_wins
+
+    def _level_of(self, was: bool) -> int:
+        """Speculation switched off on a pair is a degraded mode an operator wants to see."""
+        if was and not self.speculation_wins:
+            return logging.WARNING
+        return logging.INFO
 
     def abandon(self, ticket: GuardTicket) -> None:
         """The round failed or was cancelled: it measured nothing."""
@@ -181,13 +309,27 @@ class PairGuard:
         else:
             self._outstanding.pop(ticket.epoch, None)
 
-    def observe(self, ticket: GuardTicket, tokens: int, round_ms: float, steady: bool, drafted: bool) -> None:
+    def observe(self, ticket: GuardTicket, tokens: int, round_ms: float, steady: bool, drafted: bool,
+                first: bool = False, target_ms: float = 0.0, catching_up: bool = False,
+                turn_tokens: int | None = None) -> None:
         """The round decided under `ticket` made `tokens` tokens in `round_ms` (drafted: it ran k > 0).
+        first: it was its turn's first round, whose target call took `target_ms`; catching_up: its
+        draft also prefilled tokens of earlier rounds; turn_tokens: it ended its turn, which made
+        that many tokens.
 
-        It counts only if it is steady, of the current epoch, and was decided after every round of
-        earlier epochs had ended: a target-only round beside another session's speculating round
-        still shares the draft's load, and the other way round."""
+        Towards the steady rates it counts only if it is steady, of the current epoch, and was decided
+        after every round of earlier epochs had ended: a target-only round beside another session's
+        speculating round still shares the draft's load, and the other way round. A first round run
+        speculating counts towards the per-turn prices if it was decided so too and its draft had no
+        backlog to catch up on (a session back from a target-only epoch: that is the epoch's cost,
+        not a turn's)."""
         self.abandon(ticket)
+        if (first and ticket.mode == SPECULATE and ticket.clean and not catching_up
+                and round_ms > 0 and target_ms > 0):
+            self.first_rounds.add(round_ms, target_ms, tokens)
+        if turn_tokens is not None and turn_tokens > 0:
+            self._turns = self._turns * TURN_MEMORY + 1.0
+            self._turn_tokens = self._turn_tokens * TURN_MEMORY + turn_tokens
         if ticket.epoch != self.epoch or not ticket.clean or not steady or round_ms <= 0:
             return
         self._counted += 1
@@ -196,6 +338,22 @@ class PairGuard:
         self._ms += round_ms
         if self._counted >= self.needed_rounds and self._ms >= self._needed_ms:
             self._end_epoch()
+
+    @property
+    def turn_tokens(self) -> float | None:
+        """The pair's mean turn length in tokens, over the turns that ended (None before one did)."""
+        return self._turn_tokens / self._turns if self._turns > 0 else None
+
+    def compared_rates(self) -> dict[str, float | None]:
+        """What the modes are compared on: tokens per ms over whole turns where about three turns
+        have begun speculating at this load (see the module doc), else the steady rates."""
+        spec, off, length = self.rates[SPECULATE], self.rates[TARGET_ONLY], self.turn_tokens
+        if spec is None or off is None or length is None or self.first_rounds.turns < MIN_FIRST_ROUNDS:
+            return dict(self.rates)
+        per_turn = per_turn_rates(spec, off, length, self.first_rounds)
+        if per_turn is None:
+            return dict(self.rates)
+        return {SPECULATE: per_turn[0], TARGET_ONLY: per_turn[1]}
 
     @property
     def in_flight(self) -> int:
@@ -213,6 +371,10 @@ class PairGuard:
     def winner(self) -> str:
         return SPECULATE if self.speculation_wins else TARGET_ONLY
 
+    @property
+    def winner_name(self) -> str:
+        return "speculating" if self.speculation_wins else "target-only"
+
     def _length(self, mode: str) -> tuple[int, float]:
         """(fewest counted rounds, fewest counted ms) of an epoch of `mode`. The other mode's epochs
         only measure: their base rounds. The winner's also last 4x the time of the other mode's last
@@ -224,7 +386,8 @@ class PairGuard:
         if mode != self.winner or self.rates[loser] is None:  # measuring, or nothing yet to compare with
             return rounds, 0.0
         factor = 4.0 * min(2 ** self.streak, self.settings.max_stretch)
-        won, lost = self.rates[mode], self.rates[loser]
+        compared = self.compared_rates()
+        won, lost = compared[mode], compared[loser]
         if won:
             # The further behind the loser, the more its epochs cost: long enough that they cost
             # about MEASUREMENT_COST of the pair's throughput (a loser at 0.6x: 13x its time).
@@ -249,26 +412,35 @@ class PairGuard:
         self._counted, self._drafting, self._tokens, self._ms = 0, 0, 0.0, 0.0
 
     def _decide(self) -> None:
-        spec, off = self.rates[SPECULATE], self.rates[TARGET_ONLY]
+        compared = self.compared_rates()
+        spec, off = compared[SPECULATE], compared[TARGET_ONLY]
         if spec is None or off is None:
             return
-        margin = self.settings.margin
-        # Hysteresis: the current winner keeps its place unless the other mode beats it by the margin.
+        provisional = self._provisional_from is not None
+        was = self._settled_winner
+        # Hysteresis: the current winner keeps its place unless the other mode beats it by the margin
+        # (none against a provisional target-only: no mode has won at this load yet).
+        margin = 0.0 if provisional else self.settings.margin
         wins = spec >= off * (1.0 - margin) if self.speculation_wins else spec > off * (1.0 + margin)
         if wins and not self.speculation_wins and 2 * self._drafting < self._counted:
             # The policies themselves ran target-only through most of the probe: its rate is that of
             # k = 0 again, and says nothing for drafting.
             wins = False
         self.decisions += 1
-        log.debug("pair %s: decision %d, speculating %.3f tok/s per session, target-only %.3f: %s", self.name,
-                  self.decisions, spec * 1000.0, off * 1000.0, "speculate" if wins else "target-only")
-        if wins == self.speculation_wins:
-            self.streak += 1
-        else:
+        log.debug("pair %s: decision %d, speculating %.3f tok/s per session, target-only %.3f (steady rounds "
+                  "%.3f against %.3f; turns of %s tokens): %s", self.name, self.decisions, spec * 1000.0,
+                  off * 1000.0, self.rates[SPECULATE] * 1000.0, self.rates[TARGET_ONLY] * 1000.0,
+                  f"{self.turn_tokens:.1f}" if self.turn_tokens is not None else "?",
+                  "speculate" if wins else "target-only")
+        # Remembered for this load, in place of what was decided at about the same load before.
+        for load in [load for load in self._decided_at if same_load(load, self._epoch_load)]:
+            del self._decided_at[load]
+        self._decided_at[self._epoch_load] = Decision(wins, dict(self.rates), copy.copy(self.first_rounds),
+                                                      dict(self._last_ms))
+        self.streak = self.streak + 1 if wins == self.speculation_wins and not provisional else 0
+        self._provisional_from = None
+        self.speculation_wins = wins
+        if wins != was:
             self.flips += 1
-            self.streak = 0
-            self.speculation_wins = wins
-            # Speculation switched off on a pair is a degraded mode an operator wants to see.
-            log.log(logging.INFO if wins else logging.WARNING,
-                    "pair %s: %s now (speculating %.2f tok/s per session, target-only %.2f)", self.name,
-                    "speculating" if wins else "target-only", spec * 1000.0, off * 1000.0)
+            log.log(self._level_of(was), "pair %s: %s now (speculating %.2f tok/s per session, target-only %.2f)",
+                    self.name, self.winner_name, spec * 1000.0, off * 1000.0)

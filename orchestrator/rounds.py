@@ -168,6 +168,7 @@ class Round:
         self.min_draft_prob = min_draft_prob
         self.policy_name = policy_name
         self.index = 0
+        self.turn_tokens = 0  # emitted so far in the turn (guarded rounds)
 
     async def run_guarded(self, k: int, guard: PairGuard | None, ticket: GuardTicket | None) -> RoundRecord:
         """run(k), with the worker pair's guard told what the round made (or that it measured nothing)."""
@@ -179,9 +180,15 @@ class Round:
             guard.abandon(ticket)
             raise
         # Other sessions' prompts in the verify's forward are not this mode's cost (see the guard's doc).
+        # A turn's first round is taken whole, paired with its target call (wall time, queue included).
         round_ms = without_prompt_rows(record.round_ms, record.verify_ms, record.target_rows,
                                        record.target_prompt_rows, self.session.stats.timing.load.forward_ms)
-        guard.observe(ticket, len(record.emitted), round_ms, record.steady, record.drafted > 0)
+        first = record.index == 1
+        self.turn_tokens += len(record.emitted)
+        guard.observe(ticket, len(record.emitted), record.round_ms if first else round_ms, record.steady,
+                      record.drafted > 0, first=first, target_ms=record.verify_wall_ms,
+                      catching_up=record.draft_prefilled > record.target_prefilled + 2,
+                      turn_tokens=self.turn_tokens if record.finish is not None else None)
         return dataclasses.replace(record, guard=ticket.mode)
 
     async def run(self, k: int) -> RoundRecord:

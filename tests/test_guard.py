@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import logging
 import math
 import time
@@ -11,8 +12,8 @@ import time
 import pytest
 
 from orchestrator.config import SpeculationConfig, SpeculationConfigError, SpeculationOverride
-from orchestrator.guard import (MEASUREMENT_COST, SPECULATE, TARGET_ONLY, GuardSettings, PairGuard,
-                               without_prompt_rows)
+from orchestrator.guard import (MEASUREMENT_COST, SPECULATE, TARGET_ONLY, TURN_MEMORY, FirstRounds, GuardSettings,
+                               PairGuard, per_turn_rates, without_prompt_rows)
 from tests.stack import Stack, start_stack
 from tests.test_e2e_generate import reference_greedy
 
@@ -63,6 +64,135 @@ def test_where_target_only_wins_the_pair_stops_speculating_after_one_measurement
     off_ms = 50.0 * ks[32:].count(0)
     # The losing mode's share of the pair's time, about MEASUREMENT_COST / loss at most, falling.
     assert 0 < spec_ms / (spec_ms + off_ms) < MEASUREMENT_COST / 0.25, (spec_ms, off_ms)
+
+
+def play_turns(guard: PairGuard, turns: int, turn_tokens: int, spec_round: tuple[int, float],
+               off_round: tuple[int, float], spec_first: tuple[int, float, float], off_first_ms: float) -> list[int]:
+    """One session, turn after turn of `turn_tokens` tokens. A turn's first round makes, speculating,
+    spec_first = (tokens, round ms, its target call's ms), target-only one token in off_first_ms;
+    then steady rounds as in play(). Returns the k of each steady round."""
+    ks = []
+    for _ in range(turns):
+        ticket = guard.decide()
+        if ticket.mode == SPECULATE:
+            made, ms, target_ms = spec_first
+        else:
+            made, ms, target_ms = 1, off_first_ms, off_first_ms
+        guard.observe(ticket, made, ms, steady=False, drafted=ticket.mode == SPECULATE, first=True,
+                      target_ms=target_ms)
+        while made < turn_tokens:
+            ticket = guard.decide()
+            k = 0 if ticket.mode == TARGET_ONLY else 4
+            tokens, ms = spec_round if k > 0 else off_round
+            made += tokens
+            guard.observe(ticket, tokens, ms, steady=True, drafted=k > 0,
+                          turn_tokens=made if made >= turn_tokens else None)
+            ks.append(k)
+    return ks
+
+
+def test_per_turn_rates_price_a_turns_first_round_against_its_target_call() -> None:
+    # Loadtest run 27, 4 streams: a first round speculating 1793 ms for 2.9 tokens, target-only's
+    # 1028 ms (here: its target call), steady 5.68 against 5.43 tok/s per session, 32-token turns.
+    first = FirstRounds()
+    first.add(1793.0, 1028.0, 2.9)
+    spec, off = per_turn_rates(0.00568, 0.00543, 32.0, first)
+    assert spec * 1000 == pytest.approx(4.627, abs=0.001)  # 32 / (1793 + 29.1 / 0.00568) ms
+    assert off * 1000 == pytest.approx(4.750, abs=0.001)   # 32 / (1028 + 31 / 0.00543) ms
+    # Nothing to tell from: no first round, no steady rate, no turn.
+    assert per_turn_rates(0.00568, 0.00543, 32.0, FirstRounds()) is None
+    assert per_turn_rates(0.0, 0.00543, 32.0, first) is None and per_turn_rates(0.00568, 0.00543, 0.0, first) is None
+    # The sums decay per turn: the last ~10 turns weigh.
+    first.add(1000.0, 1000.0, 1)
+    assert first.turns == pytest.approx(1 + TURN_MEMORY)
+    assert first.round_ms / first.turns == pytest.approx((1793 * TURN_MEMORY + 1000) / (1 + TURN_MEMORY))
+    # A target call is never priced above the round that contained it.
+    first.add(100.0, 150.0, 1)
+    assert first.target_ms == pytest.approx((1028 * TURN_MEMORY + 1000) * TURN_MEMORY + 100)
+
+
+def test_speculation_that_wins_steady_rounds_but_loses_whole_turns_is_switched_off(
+        caplog: pytest.LogCaptureFixture) -> None:
+    steady_only = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    play(steady_only, 600, spec_round=(3, 100.0), off_round=(1, 40.0))  # 20 % ahead in steady rounds
+    assert steady_only.speculation_wins
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    with caplog.at_level(logging.INFO, logger="orchestrator.guard"):
+        ks = play_turns(guard, 40, 32, spec_round=(3, 100.0), off_round=(1, 40.0), spec_first=(3, 2000.0, 800.0),
+                        off_first_ms=800.0)
+    assert guard.turn_tokens == pytest.approx(32.5, abs=0.5)  # 33 speculating (3 + 10 x 3), 32 target-only
+    assert not guard.speculation_wins and guard.flips == 1
+    assert any(r.levelno == logging.WARNING and "target-only now" in r.message for r in caplog.records)
+    compared = guard.compared_rates()
+    assert compared[SPECULATE] < compared[TARGET_ONLY] and guard.rates[SPECULATE] > guard.rates[TARGET_ONLY]
+    assert ks[-200:].count(0) > 150
+
+
+def test_the_winners_epoch_is_sized_on_the_per_turn_comparison() -> None:
+    """Target-only's lead per turn, not the steady rates' (by which target-only is behind, and its
+    epoch would be the minimum 4x the last speculating epoch)."""
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    for _ in range(40):  # turn by turn, up to the switch
+        play_turns(guard, 1, 32, spec_round=(3, 100.0), off_round=(1, 40.0), spec_first=(3, 2000.0, 800.0),
+                   off_first_ms=800.0)
+        if guard.flips:
+            break
+    assert guard.flips == 1 and guard.mode == TARGET_ONLY and guard.streak == 0
+    compared = guard.compared_rates()
+    loss = 1.0 - compared[SPECULATE] / compared[TARGET_ONLY]
+    assert loss / MEASUREMENT_COST > 4.0 and guard.rates[SPECULATE] > guard.rates[TARGET_ONLY]
+    # (The turn went on after the decision, which moved the mean turn length a little since.)
+    assert guard._needed_ms == pytest.approx(loss / MEASUREMENT_COST * guard._last_ms[SPECULATE], rel=0.02)
+    assert guard._needed_ms > 8.0 * guard._last_ms[SPECULATE]
+
+
+def test_first_rounds_that_cost_what_target_onlys_do_leave_the_steady_comparison_to_decide() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    play_turns(guard, 40, 32, spec_round=(3, 100.0), off_round=(1, 40.0), spec_first=(3, 850.0, 800.0),
+               off_first_ms=800.0)
+    assert guard.speculation_wins and guard.flips == 0 and guard.decisions >= 2
+    # Over whole turns the margin is smaller than in steady rounds, and still speculation's.
+    compared = guard.compared_rates()
+    assert 1.0 < compared[SPECULATE] / compared[TARGET_ONLY] < guard.rates[SPECULATE] / guard.rates[TARGET_ONLY]
+
+
+def test_only_clean_first_rounds_without_a_draft_backlog_price_turns_and_three_are_needed() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=1, off_rounds=1, rounds_per_session=0))
+    guard.observe(guard.decide(), 3, 100.0, steady=True, drafted=True)  # the first epoch: speculating
+    old = guard.decide()  # a target-only round, left running
+    guard.observe(guard.decide(), 1, 40.0, steady=False, drafted=False)  # a prompt round: not counted
+    guard.observe(guard.decide(), 1, 40.0, steady=True, drafted=False, turn_tokens=32)  # target-only
+    assert guard.speculation_wins and guard.mode == SPECULATE and guard.turn_tokens == 32
+    # Decided while `old`, a round of an earlier epoch, still runs: it shares that epoch's load.
+    unclean = guard.decide()
+    assert unclean.mode == SPECULATE and not unclean.clean
+    guard.observe(unclean, 3, 5000.0, steady=False, drafted=True, first=True, target_ms=800.0)
+    guard.abandon(old)
+    # A session back from a target-only epoch: its draft caught up on the backlog. Not a turn's cost.
+    guard.observe(guard.decide(), 3, 5000.0, steady=False, drafted=True, first=True, target_ms=800.0,
+                  catching_up=True)
+    # No target call time (a worker that did not say): cannot be paired.
+    guard.observe(guard.decide(), 3, 5000.0, steady=False, drafted=True, first=True, target_ms=0.0)
+    assert guard.first_rounds.turns == 0 and guard.compared_rates() == guard.rates
+    for expected in (1.0, 1.0 + TURN_MEMORY):  # one or two first rounds: not yet
+        ticket = guard.decide()
+        assert ticket.mode == SPECULATE and ticket.clean
+        guard.observe(ticket, 3, 2000.0, steady=False, drafted=True, first=True, target_ms=800.0)
+        assert guard.first_rounds.turns == pytest.approx(expected) and guard.compared_rates() == guard.rates
+    guard.observe(guard.decide(), 3, 2000.0, steady=False, drafted=True, first=True, target_ms=800.0)
+    compared = guard.compared_rates()  # the third does: 32 / (2000 + 29 / 0.03) against 32 / (800 + 31 / 0.025)
+    assert compared[SPECULATE] == pytest.approx(32 / (2000 + 29 / 0.03))
+    assert compared[TARGET_ONLY] == pytest.approx(32 / (800 + 31 / 0.025))
+
+
+def test_a_shift_in_load_forgets_the_first_rounds_measured_at_the_old_load() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    play_turns(guard, 3, 32, spec_round=(3, 100.0), off_round=(1, 40.0), spec_first=(3, 2000.0, 800.0),
+               off_first_ms=800.0)
+    assert guard.first_rounds.turns > 0 and guard.turn_tokens == pytest.approx(33.0)  # 3 + 10 rounds of 3
+    play_batched(guard, 2, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
+    assert guard.load_restarts == 1 and guard.first_rounds.turns == 0
+    assert guard.turn_tokens == pytest.approx(33.0)  # the turns' length is not a matter of load: kept
 
 
 def _line_curve(rows: float) -> float:
@@ -117,6 +247,7 @@ def test_a_guarded_round_hands_the_guard_its_time_without_the_prompt_rows() -> N
     session.stats.timing.load = TargetLoad(target_curve=((1, 9.0), (64, 72.0)))  # 8 + rows: T(8) = 16, T(24) = 32
     round_ = object.__new__(Round)  # only what run_guarded touches
     round_.session = session
+    round_.turn_tokens = 0
 
     async def run(k: int) -> RoundRecord:
         return record
@@ -124,13 +255,25 @@ def test_a_guarded_round_hands_the_guard_its_time_without_the_prompt_rows() -> N
     seen = []
 
     class Spy(PairGuard):
-        def observe(self, ticket, tokens, round_ms, steady, drafted):
-            seen.append((tokens, round_ms, steady, drafted))
-            super().observe(ticket, tokens, round_ms, steady, drafted)
+        def observe(self, ticket, tokens, round_ms, steady, drafted, first=False, target_ms=0.0,
+                    catching_up=False, turn_tokens=None):
+            seen.append((tokens, round_ms, steady, drafted, first, catching_up, turn_tokens))
+            super().observe(ticket, tokens, round_ms, steady, drafted, first, target_ms, catching_up, turn_tokens)
     guard = Spy(GuardSettings(spec_rounds=1, off_rounds=1))
     out = asyncio.run(round_.run_guarded(0, guard, guard.decide()))
-    assert seen == [(1, pytest.approx(55.0), True, False)]
+    assert seen == [(1, pytest.approx(55.0), True, False, False, False, None)]
     assert out.round_ms == 105.0 and out.guard == SPECULATE  # the record itself keeps the measured time
+    # A turn's first round goes to the guard whole, paired with its target call's wall time.
+    record = dataclasses.replace(record, index=1, k=3, drafts=(1, 2, 3), target_prefilled=40, draft_prefilled=40,
+                                 round_ms=900.0, verify_ms=500.0, verify_wall_ms=520.0, emitted=(1, 2, 5))
+    asyncio.run(round_.run_guarded(3, guard, guard.decide()))
+    assert seen[-1] == (3, 900.0, False, True, True, False, None)
+    assert (guard.first_rounds.turns, guard.first_rounds.round_ms, guard.first_rounds.target_ms,
+            guard.first_rounds.tokens) == (1.0, 900.0, 520.0, 3.0)
+    # A draft that also prefilled a backlog is catching up; the round that ends the turn says how long it was.
+    record = dataclasses.replace(record, draft_prefilled=60, finish="length")
+    asyncio.run(round_.run_guarded(3, guard, guard.decide()))
+    assert seen[-1] == (3, 900.0, False, True, True, True, 1 + 3 + 3)
 
 
 def test_the_guard_follows_a_change_of_winner_both_ways(caplog: pytest.LogCaptureFixture) -> None:
@@ -179,14 +322,20 @@ def test_a_shift_in_load_starts_a_new_comparison_instead_of_holding_the_old_deci
     play_batched(guard, 2000, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
     assert guard.speculation_wins and guard.streak >= 3 and guard.load_restarts == 0
     # Eight sessions at once: drafting now costs everyone (7.5 against 16.7 tok/s). The long epoch
-    # is cut short: both modes are measured again at this load, and the pair goes target-only after
-    # 4 + 4 batches (32 rounds each: 4 per session in flight), not after the old decision's epoch.
+    # is cut short at the batch's third decision: both modes are measured again at this load,
+    # target-only first after a rise, then speculating, 4 + 4 batches (32 rounds each: 4 per session
+    # in flight), and target-only stays, not the old decision for the rest of its epoch.
     modes = play_batched(guard, 12, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
-    assert guard.load_restarts == 1 and not guard.speculation_wins and guard.flips == 1
-    assert modes[:9] == [SPECULATE] * 5 + [TARGET_ONLY] * 4  # the restart's first batch is not clean
-    # Back to one session: after LOAD_WINDOW decisions at the lower load, measured again; speculation returns.
-    play_batched(guard, 200, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    assert guard.load_restarts == 1 and not guard.speculation_wins and guard.decisions >= 1
+    assert guard.flips == 1  # from speculating; the provisional target-only after the rise was no decision
+    # The restart's first batch is not clean (two of its rounds speculate, decided before the restart).
+    assert modes == [TARGET_ONLY] * 5 + [SPECULATE] * 4 + [TARGET_ONLY] * 3
+    # Back to one session: after LOAD_WINDOW decisions at the lower load, the decision taken at one
+    # session before comes back (no decision, no flip), and the next measurement confirms it.
+    decisions = guard.decisions
+    modes = play_batched(guard, 200, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
     assert guard.load_restarts == 2 and guard.speculation_wins and guard.flips == 2
+    assert guard.decisions > decisions and modes[-100:].count(SPECULATE) > 90
     # A steady load never restarts, nor does one that moves between 1 and 2 sessions (a change by
     # one round in flight is noise at low load, not a shift).
     play_batched(guard, 3000, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
@@ -201,8 +350,74 @@ def test_a_shift_in_load_during_the_pairs_first_epoch_restarts_it_too() -> None:
     play_batched(guard, 28, 1, spec_round=(3, 100.0), off_round=(1, 50.0))  # 28 of the first epoch's 32 rounds
     assert guard.epoch == 0 and guard.load_restarts == 0
     modes = play_batched(guard, 12, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
-    # Not decided on 28 rounds at one session and 4 at eight: measured again at eight, then target-only.
-    assert guard.load_restarts == 1 and not guard.speculation_wins and guard.flips == 1, modes
+    # Not decided on 28 rounds at one session and 4 at eight: measured again at eight (target-only
+    # first, after a rise), and target-only stays.
+    assert guard.load_restarts == 1 and not guard.speculation_wins and guard.decisions == 1, modes
+    assert modes[1:5] == [TARGET_ONLY] * 4 and SPECULATE in modes[5:], modes
+
+
+def test_after_a_rise_in_load_target_only_measures_first_and_speculation_that_still_wins_returns() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    play_batched(guard, 2000, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    assert guard.speculation_wins and guard.load_restarts == 0
+    # Eight sessions, and drafting still pays (3 tokens in 150 ms against 1 in 60).
+    modes = play_batched(guard, 40, 8, spec_round=(3, 150.0), off_round=(1, 60.0))
+    assert guard.load_restarts == 1 and guard.speculation_wins and guard.flips == 0  # never switched off
+    # Target-only 4 batches (32 rounds) after the unclean first, speculating 4 to measure, then its epoch.
+    assert modes[:18] == [TARGET_ONLY] * 5 + [SPECULATE] * 13 and modes.count(SPECULATE) > 0.6 * len(modes)
+
+
+def test_a_load_that_comes_back_gets_the_decision_taken_at_it_instead_of_a_new_exploration() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    play_batched(guard, 400, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    first_visit = play_batched(guard, 40, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
+    assert not guard.speculation_wins and SPECULATE in first_visit[5:9]  # explored: target-only, then a probe
+    play_batched(guard, 100, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    assert guard.speculation_wins and guard.load_restarts == 2
+    # Eight again: target-only at once (the ramp reaches 6 in flight, near enough to 8), and for a
+    # winner's epoch: the last speculating probe's 32 x 400 ms x (loss 55 % / MEASUREMENT_COST),
+    # some 490 batches of 8 x 60 ms. No speculating probe.
+    restarts, decisions = guard.load_restarts, guard.decisions
+    second_visit = play_batched(guard, 100, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
+    assert guard.load_restarts == restarts + 1 and not guard.speculation_wins
+    assert second_visit[1:] == [TARGET_ONLY] * 99 and guard.decisions == decisions
+
+
+def test_a_decision_taken_back_once_is_measured_again_before_it_is_trusted_again() -> None:
+    """A load that moves faster than a winner's epoch must not keep an old decision for ever: at 8
+    sessions target-only won, then speculation gets cheaper there (3 tokens in 150 ms against 1 in 60);
+    the load moves 8 <-> 1 every 150 batched steps, shorter than a target-only winner's epoch."""
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    play_batched(guard, 400, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    play_batched(guard, 40, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
+    assert not guard.speculation_wins and guard._decided_at[8].first_rounds == guard.first_rounds
+    spec_at_eight = []
+    for _ in range(12):
+        play_batched(guard, 150, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+        modes = play_batched(guard, 150, 8, spec_round=(3, 150.0), off_round=(1, 60.0))
+        spec_at_eight.append(modes.count(SPECULATE) / len(modes))
+    assert spec_at_eight[0] < 0.1  # the first return: the old decision, taken back
+    assert min(spec_at_eight[-4:]) > 0.5, spec_at_eight  # measured since, and speculating
+
+
+def test_taking_a_decision_back_restores_its_rates_and_first_rounds_and_warns_when_it_switches_off(
+        caplog: pytest.LogCaptureFixture) -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    play_batched(guard, 400, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    with caplog.at_level(logging.INFO, logger="orchestrator.guard"):
+        play_batched(guard, 40, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
+    # The provisional target-only after the rise, confirmed: a switch-off, and said so.
+    assert [r.levelno for r in caplog.records if "target-only now" in r.message] == [logging.WARNING]
+    remembered = guard._decided_at[8]
+    remembered.first_rounds.add(2000.0, 800.0, 3)  # as if turns had begun speculating at 8
+    play_batched(guard, 100, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    assert guard.speculation_wins and 8 in guard._decided_at
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="orchestrator.guard"):
+        play_batched(guard, 2, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
+    assert not guard.speculation_wins and 8 not in guard._decided_at  # taken back, once
+    assert guard.rates == remembered.rates and guard.first_rounds == remembered.first_rounds
+    assert [r.levelno for r in caplog.records if "as decided at" in r.message] == [logging.WARNING]
 
 
 def test_hysteresis_keeps_the_winner_within_the_margin() -> None:
