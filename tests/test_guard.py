@@ -160,6 +160,10 @@ def test_only_clean_first_rounds_without_a_draft_backlog_price_turns_and_three_a
     guard = PairGuard(GuardSettings(spec_rounds=1, off_rounds=1, rounds_per_session=0))
     guard.observe(guard.decide(), 3, 100.0, steady=True, drafted=True)  # the first epoch: speculating
     old = guard.decide()  # a target-only round, left running
+    off_first = guard.decide()
+    assert off_first.mode == TARGET_ONLY
+    # A turn that began target-only prices nothing: its first round is no speculating one.
+    guard.observe(off_first, 1, 900.0, steady=False, drafted=False, first=True, target_ms=900.0)
     guard.observe(guard.decide(), 1, 40.0, steady=False, drafted=False)  # a prompt round: not counted
     guard.observe(guard.decide(), 1, 40.0, steady=True, drafted=False, turn_tokens=32)  # target-only
     assert guard.speculation_wins and guard.mode == SPECULATE and guard.turn_tokens == 32
