@@ -32,7 +32,7 @@ def play(guard: PairGuard, steps: int, width: int) -> tuple[int, int]:
 
 
 def main() -> None:
-    for low, high in ((2, 4), (4, 8)):
+    for low, high in ((2, 4), (4, 6), (4, 8)):
         for every in (40, 100, 400):
             guard = PairGuard(GuardSettings())
             off = rounds = 0
