@@ -77,10 +77,10 @@ class SpeculationConfig:
         "`pipeline`: on one shared CPU the two prefills compete for the same cores."))
     guard: bool = field(default=True, metadata=_doc(
         "Pair guard: the worker pair runs in epochs, speculating or target-only for all its sessions at "
-        "once, and keeps the mode that made more tokens per second over whole turns (a turn's first round, "
-        "then steady rounds), re-measuring the other in short epochs (docs/adaptive-k.md, \"The pair guard\"). It catches what per-session costs "
-        "miss: a co-located draft slowing every verify, load. For the `cost` and `bandit` policies with "
-        "min_k = 0."))
+        "once, and keeps the mode that made more tokens per second over whole turns (a turn's first "
+        "round, then steady rounds), re-measuring the other in short epochs (docs/adaptive-k.md, \"The "
+        "pair guard\"). It catches what per-session costs miss: a co-located draft slowing every verify, "
+        "load. For the `cost` and `bandit` policies with min_k = 0."))
     guard_spec_rounds: int = field(default=32, metadata=_doc(
         "Pair guard: fewest counted rounds of a speculating epoch. The winning mode's epochs also "
         "last 4x the time of the other mode's last epoch, doubled per decision that confirms it, and "

@@ -179,13 +179,15 @@ class Round:
         except BaseException:
             guard.abandon(ticket)
             raise
-        # Other sessions' prompts in the verify's forward are not this mode's cost (see the guard's doc).
         # A turn's first round is taken whole, paired with its target call (wall time, queue included).
-        round_ms = without_prompt_rows(record.round_ms, record.verify_ms, record.target_rows,
-                                       record.target_prompt_rows, self.session.stats.timing.load.forward_ms)
+        # Any other round: other sessions' prompts in the verify's forward are not this mode's cost
+        # (see the guard's doc).
         first = record.index == 1
+        round_ms = record.round_ms if first else without_prompt_rows(
+            record.round_ms, record.verify_ms, record.target_rows, record.target_prompt_rows,
+            self.session.stats.timing.load.forward_ms)
         self.turn_tokens += len(record.emitted)
-        guard.observe(ticket, len(record.emitted), record.round_ms if first else round_ms, record.steady,
+        guard.observe(ticket, len(record.emitted), round_ms, record.steady,
                       record.drafted > 0, first=first, target_ms=record.verify_wall_ms,
                       catching_up=record.draft_prefilled > record.target_prefilled + 2,
                       turn_tokens=self.turn_tokens if record.finish is not None else None)
