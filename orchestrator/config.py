@@ -37,6 +37,7 @@ class SpeculationOverride:
     min_draft_prob: float | None = None
     pipeline: bool | None = None
     pipeline_branches: int | None = None
+    overlap_prefill: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ class SpeculationConfig:
         "beside it and pre-drafts round 2 (its first token a guess of the target's), so the first token "
         "does not wait for the draft's prefill. For the `cost` and `bandit` policies with min_k = 0, "
         "when the target has more than 16 tokens to prefill. Off by default for the same reason as "
-        "`pipeline`: on one shared CPU the two prefills compete for the same cores."))
+        "`pipeline`: on one shared CPU the two prefills compete for the same cores. Per request: "
+        "`speculation.overlap_prefill`."))
     guard: bool = field(default=True, metadata=_doc(
         "Pair guard: the worker pair runs in epochs, speculating or target-only for all its sessions at "
         "once, and keeps the mode that made more tokens per second over whole turns (a turn's first "
@@ -165,6 +167,8 @@ class SpeculationConfig:
             merged = replace(merged, pipeline=override.pipeline)
         if override.pipeline_branches is not None:
             merged = replace(merged, pipeline_branches=override.pipeline_branches)
+        if override.overlap_prefill is not None:
+            merged = replace(merged, overlap_prefill=override.overlap_prefill)
         return merged.validate()
 
     def with_values(self, values: dict[str, Any], source: str) -> "SpeculationConfig":

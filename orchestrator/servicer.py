@@ -39,7 +39,8 @@ def params_from_pb(req: orchestrator_pb2.GenerateRequest) -> GenerateParams:
         fixed_k=spec.fixed_k if spec.HasField("fixed_k") else None,
         min_draft_prob=spec.min_draft_prob if spec.HasField("min_draft_prob") else None,
         pipeline=spec.pipeline if spec.HasField("pipeline") else None,
-        pipeline_branches=spec.pipeline_branches if spec.HasField("pipeline_branches") else None)
+        pipeline_branches=spec.pipeline_branches if spec.HasField("pipeline_branches") else None,
+        overlap_prefill=spec.overlap_prefill if spec.HasField("overlap_prefill") else None)
     if which is None:
         raise InvalidRequest("exactly one of prompt, prompt_ids or messages is required")
     return GenerateParams(

@@ -46,6 +46,12 @@ class RoundTrace:
     target_prompt_rows: float = 0.0  # of target_rows, prompts' rows (0 in traces recorded before it)
     guard: str = ""  # the pair guard's epoch: "spec", "off" (k forced to 0), "" (not guarded)
     emitted: int = -1  # tokens the round added to the output (-1 in older traces: accepted + 1 stands in)
+    # Pipelining (absent in older traces): the pre-draft outcome ("hit", "miss", "" when none was
+    # tested), the draft time a hit saved, and the calls' wall times (RPC and queueing included).
+    predraft: str = ""
+    predraft_saved_ms: float = 0.0
+    draft_wall_ms: float = 0.0
+    verify_wall_ms: float = 0.0
 
     @property
     def steady(self) -> bool:
@@ -84,7 +90,10 @@ class TraceWriter:
             draft_confidences=[round(p, 5) for p in record.draft_confidences],
             target_batch=round(record.target_batch, 2), target_rows=round(record.target_rows, 1),
             target_waiting=record.target_waiting, target_prompt_rows=round(record.target_prompt_rows, 1),
-            guard=record.guard, emitted=len(record.emitted)))
+            guard=record.guard, emitted=len(record.emitted),
+            predraft={True: "hit", False: "miss"}.get(record.predraft_hit, ""),
+            predraft_saved_ms=round(record.predraft_saved_ms, 3), draft_wall_ms=round(record.draft_wall_ms, 3),
+            verify_wall_ms=round(record.verify_wall_ms, 3)))
 
     def write(self, trace: RoundTrace) -> None:
         line = json.dumps(asdict(trace), separators=(",", ":"))

@@ -250,10 +250,41 @@ def test_netbench_summary_ratios_hit_rate_and_identity() -> None:
     (row,) = summarize(runs)
     assert row["pipelined-no-branches_vs_serial"] == pytest.approx(1.0)
     assert row["pipelined-no-branches_hit_rate"] == pytest.approx(2 / 6)
-    assert "| 1.00, 1.67 |" in markdown([row])
+    assert "| 1.00, 1.67, - |" in markdown([row])
     runs.append(run("pipelined", "c", 1.0, ids=(9,)))
     runs.append(run("target-only", "c", 1.0))
     assert not summarize(runs)[0]["identical"]
+
+
+def test_netbench_ceiling_and_verify_slowdown_from_round_traces(tmp_path) -> None:
+    """The traces' sessions map to the runs in order (after the warm-up); the ceiling hides every
+    draft of the serial rounds but the first round's; the slowdown compares verify compute at equal k."""
+    from orchestrator.traces import RoundTrace, TraceWriter
+    from specdec.tools.netbench import NetRun, attach_rounds, ceiling, markdown, summarize, verify_slowdown
+
+    def trace(session: str, index: int, drafted: int, round_ms: float, verify_ms: float, wall_ms: float,
+              prefilled: int = 1) -> RoundTrace:
+        return RoundTrace(session, index, 10, "cost", drafted, drafted, drafted, [], 0.0, verify_ms, round_ms,
+                          prefilled, prefilled, True, False, verify_wall_ms=wall_ms)
+    path = tmp_path / "rounds.jsonl"
+    writer = TraceWriter(path)
+    for t in [trace("warm", 1, 0, 5, 5, 5),
+              trace("s", 1, 3, 1000, 800, 810, prefilled=40), trace("s", 2, 3, 400, 300, 310),
+              trace("s", 3, 2, 380, 290, 300),
+              trace("p", 1, 3, 1000, 800, 810, prefilled=40), trace("p", 2, 3, 360, 360, 362),
+              trace("p", 3, 3, 330, 330, 335), trace("p", 4, 2, 300, 290, 300)]:
+        writer.write(t)
+    writer.close()
+    runs = [NetRun(0.0, name, "a", 12, 1.0, 1.0, 0, 0, 0.0, [1]) for name in ("serial", "pipelined")]
+    assert attach_rounds(runs, path) and [len(r.rounds) for r in runs] == [3, 4]
+    assert not attach_rounds(runs[:1], path)  # one run more or less than sessions: nothing attached
+    assert ceiling(runs[0]) == pytest.approx(1780 / (1000 + 310 + 300))
+    # k = 3: pipelined (360 + 330) / 2 against serial 300 (two rounds); k = 2: 290 / 290 (one round).
+    assert verify_slowdown([runs[1]], [runs[0]]) == pytest.approx((2 * 345 / 300 + 1.0) / 3)
+    runs.append(NetRun(0.0, "target-only", "a", 12, 2.0, 1.0, 0, 0, 0.0, [1]))
+    (row,) = summarize(runs)
+    assert row["ceiling_vs_serial"] == pytest.approx(ceiling(runs[0]))
+    assert "| 1.11 |" in markdown([row]) and "| 1.10x |" in markdown([row])  # 1780/1610; 1.1
 
 
 def test_metrics_count_predraft_outcomes_and_saved_time() -> None:
@@ -323,6 +354,24 @@ async def test_the_first_round_prefills_target_and_draft_side_by_side(overlap: b
     finally:
         for hook in hooks:
             hook.remove()
+        await stack.close()
+
+
+@pytest.mark.parametrize("server_default", [False, True])
+async def test_a_request_turns_the_prefill_overlap_on_or_off(server_default: bool) -> None:
+    """SpeculationOptions.overlap_prefill wins over the server's setting, both ways."""
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.001",
+                              speculation=SpeculationConfig(overlap_prefill=server_default))
+    try:
+        reply = await stack.generate(prompt_ids=LONG_PROMPT, max_new_tokens=12,
+                                     speculation={"overlap_prefill": not server_default})
+        assert list(reply.token_ids) == reference_greedy(LONG_PROMPT, 12)
+        s = reply.stats
+        if server_default:  # turned off: round 1 drafts, nothing was pre-drafted
+            assert s.k_per_round[0] > 0 and s.predraft_hits == s.predraft_misses == 0, list(s.k_per_round)
+        else:  # turned on: round 1 is target-only and round 2 takes the draft's pre-draft
+            assert s.k_per_round[0] == 0 and s.predraft_hits == 1, list(s.k_per_round)
+    finally:
         await stack.close()
 
 
@@ -519,3 +568,21 @@ def test_branch_copies_are_evicted_before_sessions() -> None:
     assert store.enforce_budget(first=is_branch_key) == [slot_key("a", 1)]
     assert "a" in store and "b" in store and slot_key("b", 2) in store
     assert store.enforce_budget(extra_bytes=10) == ["a"]  # without a preference: LRU order
+
+
+def test_netbench_smoke_runs_every_system_and_reads_its_traces(tmp_path) -> None:
+    """`specdec netbench --smoke` end to end (tiny models, real services): every system runs, the
+    outputs match target-only's, and the round traces map onto the requests (ceiling reported)."""
+    import json
+    import subprocess
+    import sys
+
+    from specdec.tools.netbench import SYSTEMS
+    result = subprocess.run([sys.executable, "-m", "specdec.cli", "netbench", "--smoke", "--latencies-ms", "0",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    (row,) = report["rows"]
+    assert row["identical"] and row["ceiling_vs_serial"] > 0
+    assert {r["system"] for r in report["runs"]} == set(SYSTEMS)
+    assert "do not match" not in result.stdout

@@ -11,9 +11,17 @@ round-robin per prompt, in one run:
                          on the assumption that round n is fully accepted
   pipelined              the same, plus branch pre-drafts for the likeliest rejections
                          (pipeline_branches, the server's default)
+  pipelined-overlap      the same, plus the prefill overlap: a turn's first round runs target-only
+                         while the draft prefills the prompt and pre-drafts round 2
 
 Reported per latency: tok/s, ratios, the pre-draft hit rate, the draft time hits saved, and target
 capacity (the target's busy fraction: verify compute / wall time). A plot of tok/s against latency.
+From the orchestrator's round traces (OUT/rounds-<latency>ms.jsonl) two figures that bound what
+pipelining can do on the machine at hand: the **ceiling** (the serial runs' own rounds with every
+draft hidden: the first round as it was, every later round as long as its verify call) and the
+**verify slowdown** (the target's compute per verify at a given k in pipelined runs, where the draft
+works beside it, against serial runs, where it is idle: on two real devices 1.0; on one machine the
+two processes share memory bandwidth and caches).
 """
 from __future__ import annotations
 
@@ -22,16 +30,20 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from specdec.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parents[2]
-SYSTEMS = {"target-only": {"fixed_k": 0}, "serial": {"pipeline": False},
-           "pipelined-no-branches": {"pipeline": True, "pipeline_branches": 0}, "pipelined": {"pipeline": True}}
-PIPELINED = ("pipelined-no-branches", "pipelined")
+# Each system sets what it compares explicitly, whatever the server's config says.
+SYSTEMS = {"target-only": {"fixed_k": 0},
+           "serial": {"pipeline": False, "overlap_prefill": False},
+           "pipelined-no-branches": {"pipeline": True, "pipeline_branches": 0, "overlap_prefill": False},
+           "pipelined": {"pipeline": True, "overlap_prefill": False},
+           "pipelined-overlap": {"pipeline": True, "overlap_prefill": True}}
+PIPELINED = ("pipelined-no-branches", "pipelined", "pipelined-overlap")
 
 
 @dataclass
@@ -47,6 +59,8 @@ class NetRun:
     saved_ms: float
     token_ids: list[int]
     branch_hits: int = 0
+    # The orchestrator's round trace lines of this request (orchestrator.traces.RoundTrace fields).
+    rounds: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -80,6 +94,50 @@ async def _runs(address: str, latency: float, prompts: list[dict], max_new: int)
     return runs
 
 
+def attach_rounds(runs: list[NetRun], trace_path: Path) -> bool:
+    """Give each run its round trace lines. The requests ran one after another after one warm-up
+    request, so the trace's sessions, in order of first appearance, are the warm-up, then the runs.
+    False (and nothing attached) if the counts do not match."""
+    from orchestrator.traces import load_traces
+    if not trace_path.exists():
+        return False
+    sessions: dict[str, list[dict[str, Any]]] = {}
+    for trace in load_traces(trace_path):
+        sessions.setdefault(trace.session, []).append(asdict(trace))
+    ordered = list(sessions.values())[1:]
+    if len(ordered) != len(runs):
+        return False
+    for run, rounds in zip(runs, ordered):
+        run.rounds = rounds
+    return True
+
+
+def ceiling(run: NetRun) -> float | None:
+    """What pipelining could at best make of this serial run: its wall time over the same rounds
+    with every draft hidden (the first round as it was, each later one as long as its verify call)."""
+    if len(run.rounds) < 2:
+        return None
+    hidden = run.rounds[0]["round_ms"] + sum(r["verify_wall_ms"] for r in run.rounds[1:])
+    return sum(r["round_ms"] for r in run.rounds) / hidden if hidden > 0 else None
+
+
+def verify_slowdown(pipelined: list[NetRun], serial: list[NetRun]) -> float | None:
+    """The target's compute per verify in pipelined runs (the draft pre-drafting beside it) over
+    serial runs (the draft idle), at the same k, weighted by the pipelined rounds at each k.
+    Steady rounds only: a prefill's cost says nothing about the overlap."""
+    def by_k(runs: list[NetRun]) -> dict[int, list[float]]:
+        out: dict[int, list[float]] = {}
+        for run in runs:
+            for r in run.rounds[1:]:
+                if r["drafted"] > 0 and r["target_prefilled"] <= 2:
+                    out.setdefault(r["drafted"], []).append(r["verify_ms"])
+        return out
+    piped, alone = by_k(pipelined), by_k(serial)
+    pairs = [(len(ms), statistics.mean(ms) / statistics.mean(alone[k])) for k, ms in piped.items() if k in alone]
+    total = sum(n for n, _ in pairs)
+    return sum(n * ratio for n, ratio in pairs) / total if total else None
+
+
 def summarize(runs: list[NetRun]) -> list[dict[str, Any]]:
     rows = []
     for latency in sorted({r.latency_ms for r in runs}):
@@ -102,6 +160,12 @@ def summarize(runs: list[NetRun]) -> list[dict[str, Any]]:
             row[f"{prefix}hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
             row[f"{prefix}branch_hit_share"] = sum(r.branch_hits for r in rs) / hits if hits else 0.0
             row[f"{prefix}saved_ms_per_request"] = statistics.mean(r.saved_ms for r in rs)
+        ceilings = [c for r in by["serial"] if (c := ceiling(r)) is not None]
+        if ceilings:
+            row["ceiling_vs_serial"] = statistics.median(ceilings)
+        slowdown = verify_slowdown([r for name in PIPELINED for r in by.get(name, [])], by["serial"])
+        if slowdown is not None:
+            row["verify_slowdown"] = slowdown
         # Greedy: every system must produce the same tokens.
         row["identical"] = all(r.token_ids == base[r.prompt].token_ids for r in at if r.prompt in base)
         rows.append(row)
@@ -109,26 +173,35 @@ def summarize(runs: list[NetRun]) -> list[dict[str, Any]]:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| one-way latency | target-only tok/s | serial tok/s (vs target-only) | pipelined, no branches "
-             "(vs target-only) | pipelined with branches (vs target-only) | pipelined / serial: no branches, "
-             "branches | hit rate: no branches, branches (from a branch) | saved per request: no branches, "
-             "branches | target busy: k=0 / serial / pipelined | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-
     def cell(r: dict[str, Any], fmt: str, *keys: str) -> str:
         return ", ".join(format(r[k], fmt) if k in r else "-" for k in keys)
+
+    def speed(r: dict[str, Any], name: str) -> str:
+        return f"{r[name + '_tok_s']:.2f} ({r[name + '_vs_target_only']:.2f}x)" if name + "_tok_s" in r else "-"
+    lines = ["| one-way latency | target-only tok/s | serial tok/s (vs target-only) | pipelined, no branches "
+             "(vs target-only) | pipelined, branches (vs target-only) | pipelined, branches + prefill overlap "
+             "(vs target-only) | pipelined / serial: no branches, branches, + overlap | ceiling: serial rounds "
+             "with every draft hidden | identical |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        pipes = {name: (f"{r[name + '_tok_s']:.2f} ({r[name + '_vs_target_only']:.2f}x)" if name + "_tok_s" in r
-                        else "-") for name in PIPELINED}
         lines.append(
-            f"| {r['one_way_ms']:g} ms | {r['target-only_tok_s']:.2f} | {r['serial_tok_s']:.2f} "
-            f"({r['serial_vs_target_only']:.2f}x) | {pipes['pipelined-no-branches']} | {pipes['pipelined']} "
-            f"| {cell(r, '.2f', 'pipelined-no-branches_vs_serial', 'pipelined_vs_serial')} "
-            f"| {cell(r, '.0%', 'pipelined-no-branches_hit_rate', 'hit_rate')} "
+            f"| {r['one_way_ms']:g} ms | {r['target-only_tok_s']:.2f} | {speed(r, 'serial')} "
+            f"| {speed(r, 'pipelined-no-branches')} | {speed(r, 'pipelined')} | {speed(r, 'pipelined-overlap')} "
+            f"| {cell(r, '.2f', *(name + '_vs_serial' for name in PIPELINED))} "
+            f"| {cell(r, '.2f', 'ceiling_vs_serial')} | {'yes' if r['identical'] else 'NO'} |")
+    lines += ["", "| one-way latency | hit rate: no branches, branches, + overlap (of hits, from a branch) "
+              "| draft time saved per request: no branches, branches, + overlap | target busy: k=0 / serial / "
+              "pipelined / + overlap | verify compute, draft busy / draft idle |",
+              "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['one_way_ms']:g} ms "
+            f"| {cell(r, '.0%', 'pipelined-no-branches_hit_rate', 'hit_rate', 'pipelined-overlap_hit_rate')} "
             f"({cell(r, '.0%', 'branch_hit_share')}) "
-            f"| {cell(r, '.0f', 'pipelined-no-branches_saved_ms_per_request', 'saved_ms_per_request')} ms "
+            f"| {cell(r, '.0f', 'pipelined-no-branches_saved_ms_per_request', 'saved_ms_per_request', 'pipelined-overlap_saved_ms_per_request')} ms "
             f"| {r['target-only_target_busy']:.0%} / {r['serial_target_busy']:.0%} / "
-            f"{cell(r, '.0%', 'pipelined_target_busy')} | {'yes' if r['identical'] else 'NO'} |")
+            f"{cell(r, '.0%', 'pipelined_target_busy')} / {cell(r, '.0%', 'pipelined-overlap_target_busy')} "
+            f"| {cell(r, '.2f', 'verify_slowdown')}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -193,9 +266,15 @@ def main(argv: list[str] | None = None) -> None:
         orch_args += ["--config", config] if config else []
         worker_args = ["--calibration-s", str(args.calibration_s)]
         cpu_sets = {"target": args.target_cpus, "draft": args.draft_cpus}
+        trace = out / f"rounds-{latency:g}ms.jsonl"
+        trace.unlink(missing_ok=True)
+        orch_args += ["--trace-file", str(trace)]
         with local_services(args.target, args.draft, args.threads, orch_args, worker_args=worker_args,
                             cpu_sets=cpu_sets) as address:
-            runs += asyncio.run(_runs(address, latency, prompts, args.max_new_tokens))
+            at = asyncio.run(_runs(address, latency, prompts, args.max_new_tokens))
+        if not attach_rounds(at, trace):
+            print(f"  {trace}: sessions do not match the requests; no ceiling or slowdown at {latency:g} ms")
+        runs += at
     rows = summarize(runs)
     machine = describe_machine()
     command = "specdec netbench " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
@@ -208,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     text = f"# specdec netbench\n\n{header}\n{markdown(rows)}\n![tok/s against latency](netbench.png)\n"
     (out / "report.md").write_text(text)
     (out / "report.json").write_text(json.dumps({"command": command, "machine": machine, "rows": rows,
-                                                 "runs": [asdict(r) for r in runs]}, indent=1))
+                                                 "runs": [{k: v for k, v in asdict(r).items() if k != "rounds"} for r in runs]}, indent=1))
     print(text)
 
 

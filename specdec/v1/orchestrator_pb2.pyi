@@ -42,7 +42,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
-    __slots__ = ("policy", "min_k", "max_k", "fixed_k", "min_draft_prob", "pipeline", "pipeline_branches")
+    __slots__ = ("policy", "min_k", "max_k", "fixed_k", "min_draft_prob", "pipeline", "pipeline_branches", "overlap_prefill")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MIN_K_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class SpeculationOptions(_message.Message):
     MIN_DRAFT_PROB_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_PREFILL_FIELD_NUMBER: _ClassVar[int]
     policy: str
     min_k: int
     max_k: int
@@ -57,7 +58,8 @@ class SpeculationOptions(_message.Message):
     min_draft_prob: float
     pipeline: bool
     pipeline_branches: int
-    def __init__(self, policy: _Optional[str] = ..., min_k: _Optional[int] = ..., max_k: _Optional[int] = ..., fixed_k: _Optional[int] = ..., min_draft_prob: _Optional[float] = ..., pipeline: bool = ..., pipeline_branches: _Optional[int] = ...) -> None: ...
+    overlap_prefill: bool
+    def __init__(self, policy: _Optional[str] = ..., min_k: _Optional[int] = ..., max_k: _Optional[int] = ..., fixed_k: _Optional[int] = ..., min_draft_prob: _Optional[float] = ..., pipeline: bool = ..., pipeline_branches: _Optional[int] = ..., overlap_prefill: bool = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_ids", "messages", "session_id", "max_new_tokens", "stop", "temperature", "top_k", "top_p", "seed", "speculation")
