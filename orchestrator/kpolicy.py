@@ -454,7 +454,9 @@ def expected_tokens(a: float, k: int) -> float:
 class KPolicy(Protocol):
     name: str
 
-    def next_k(self, stats: SessionStats, min_k: int, max_k: int) -> int: ...
+    def next_k(self, stats: SessionStats, min_k: int, max_k: int, prefill_rows: int = 0) -> int:
+        """k for the next round; `prefill_rows`: tokens the target prefills in that round's forward
+        besides the drafts (a turn's new prompt; 1 or 0 in a steady round)."""
 
 
 @dataclass
@@ -462,7 +464,7 @@ class FixedPolicy:
     k: int = 4
     name: str = "fixed"
 
-    def next_k(self, stats: SessionStats, min_k: int, max_k: int) -> int:
+    def next_k(self, stats: SessionStats, min_k: int, max_k: int, prefill_rows: int = 0) -> int:
         return _clamp(self.k, min_k, max_k)
 
 
@@ -472,7 +474,7 @@ class HeuristicPolicy:
     initial_k: int = 4
     name: str = "heuristic"
 
-    def next_k(self, stats: SessionStats, min_k: int, max_k: int) -> int:
+    def next_k(self, stats: SessionStats, min_k: int, max_k: int, prefill_rows: int = 0) -> int:
         if stats.rounds == 0:
             return _clamp(self.initial_k, max(min_k, 1), max_k)
         k = stats.last_k + 2 if stats.last_accepted >= stats.last_k else stats.last_k - 1
@@ -501,8 +503,11 @@ class CostModelPolicy:
     branches: int = 0
     name: str = "cost"
 
-    def next_k(self, stats: SessionStats, min_k: int, max_k: int) -> int:
+    def next_k(self, stats: SessionStats, min_k: int, max_k: int, prefill_rows: int = 0) -> int:
         best = self._argmax(stats, min_k, max_k)
+        if best > 0 and prefill_rows > 1:
+            rate = self.tokens_per_ms(stats, best, self.pipelined, self.branches)
+            best = prefill_round_k(stats, max(1, min_k), best, prefill_rows, rate)
         if best > 0:
             if stats.rounds_since_draft == 0:
                 stats.failed_probes = 0  # the last round drafted, and with its outcome drafting still pays
@@ -560,9 +565,15 @@ class BanditPolicy:
     branches: int = 0
     name: str = "bandit"
 
-    def next_k(self, stats: SessionStats, min_k: int, max_k: int) -> int:
+    def next_k(self, stats: SessionStats, min_k: int, max_k: int, prefill_rows: int = 0) -> int:
         arms = range(min_k, max_k + 1)
         prior = {k: CostModelPolicy.tokens_per_ms(stats, k, self.pipelined, self.branches) for k in arms}
+        if prefill_rows > 1:
+            # A prompt's round is no arm's typical round (its value is not the rate the arms
+            # learn): the cost model's marginal rule picks it, from the best arm's predicted rate.
+            best = max(arms, key=lambda k: prior[k])
+            if best > 0:
+                return prefill_round_k(stats, max(1, min_k), best, prefill_rows, prior[best])
         scale = max(prior.values()) or 1e-9
         total = sum(stats.arms.get(k, [0, 0])[0] for k in arms) + self.prior_weight * len(arms)
         best_k, best_score = min_k, -math.inf
@@ -573,6 +584,30 @@ class BanditPolicy:
             if value + bonus > best_score:
                 best_k, best_score = k, value + bonus
         return best_k
+
+
+def prefill_round_k(stats: SessionStats, lo: int, best: int, prefill_rows: int, rate: float) -> int:
+    """k for a round whose verify also prefills `prefill_rows` tokens (a turn's new prompt), given
+    the steady rounds' best k and their rate (tokens per ms).
+
+    The prompt is paid at any k, and so is the draft's own prefill (now or, at k = 0, when it
+    catches up in the next round). What the drafts add is k draft forwards and k rows in a forward
+    that is already large, where a row costs what a prefill row does (compute-bound), not the near
+    nothing it adds to a one-token decode step. So a steady k is too large here: each draft must
+    bring more tokens than the steady rounds would make in its time. k maximises
+    E(k) - rate * (k * t_draft + T(P + k) - T(P)) over lo..best, T the target's rows curve.
+    Without a curve: best.
+    """
+    t = stats.timing
+    base = t.load.forward_ms(prefill_rows)
+    if base is None or best <= lo:
+        return best
+    a = stats.acceptance.value
+
+    def gain(k: int) -> float:
+        extra_rows = (t.load.forward_ms(prefill_rows + k) or base) - base
+        return expected_tokens(a, k) - rate * (k * t.draft_ms_per_token.value + extra_rows)
+    return max(range(lo, best + 1), key=gain)  # ties: the smaller k
 
 
 def _running_max(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -170,6 +170,15 @@ class Round:
         self.index = 0
         self.turn_tokens = 0  # emitted so far in the turn (guarded rounds)
 
+    def target_prefill_rows(self) -> int:
+        """Tokens the target would take in the next round's forward besides its drafts (its commit's
+        appended tokens: a turn's new prompt, or 1 in a steady round). 0 where the prefill overlap
+        will run that round target-only: its k is then the depth of round 2's pre-draft."""
+        rows = len(self.session.target_view.commit_for(self.session.tokens).append_tokens)
+        overlapped = (self.overlap_prefill and self.index == 0 and rows > OVERLAP_MIN_PREFILL
+                      and self.stop.remaining >= 3)
+        return 0 if overlapped else rows
+
     async def run_guarded(self, k: int, guard: PairGuard | None, ticket: GuardTicket | None) -> RoundRecord:
         """run(k), with the worker pair's guard told what the round made (or that it measured nothing)."""
         if guard is None or ticket is None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.config import SpeculationConfig
-from orchestrator.kpolicy import (PAIR_ACCEPTANCE_ALPHA, SESSION_ACCEPTANCE_ALPHA, CostModelPolicy, DecayingLine, Ewma,
-                             FixedPolicy, HeuristicPolicy, SessionStats, TargetLoad, expected_tokens,
-                             speedup_bound)
+from orchestrator.kpolicy import (PAIR_ACCEPTANCE_ALPHA, SESSION_ACCEPTANCE_ALPHA, BanditPolicy, CostModelPolicy,
+                             DecayingLine, Ewma, FixedPolicy, HeuristicPolicy, SessionStats, TargetLoad,
+                             expected_tokens, speedup_bound)
 
 
 def stats_with(acceptance: float, draft_ms: float = 10.0, verify_base: float = 50.0, verify_slope: float = 2.0,
@@ -269,6 +269,31 @@ def test_k_falls_as_the_batch_grows_and_reaches_zero_at_saturation() -> None:
     assert chosen[-1] == 0, chosen                  # 16 sessions: every extra row costs, k = 0
     # Calls waiting for a slot count as load too.
     assert policy.next_k(loaded_stats(8, waiting=8), 0, 8) == 0
+
+
+def test_a_prompts_round_drafts_less_where_its_forward_is_compute_bound() -> None:
+    """A turn's first round verifies its drafts in the prompt's forward, where each row costs what a
+    prefill row does: its k is the one that finishes the turn soonest, smaller than the steady k.
+    Where rows are nearly free (a flat curve, as on a GPU), the steady k stands."""
+    policy = CostModelPolicy(probe_every=0)
+    s = loaded_stats(1)
+    s.timing.draft_ms_per_token.value = 30.0
+    steady = policy.next_k(s, 0, 8)
+    assert steady >= 3 and policy.next_k(s, 0, 8, prefill_rows=1) == steady
+    rate = CostModelPolicy.tokens_per_ms(s, steady)
+    curve = s.timing.load.forward_ms
+
+    def turn_ms(k: int, prompt: int = 48, tokens: int = 32) -> float:
+        """The first round at k, then the rest of the turn at the steady rate."""
+        first = k * 30.0 + curve(prompt + k)
+        return first + (tokens - expected_tokens(s.acceptance.value, k)) / rate
+    first = policy.next_k(s, 0, 8, prefill_rows=48)
+    assert 1 <= first < steady, (first, steady)
+    assert turn_ms(first) == min(turn_ms(k) for k in range(1, steady + 1)) < turn_ms(steady)
+    assert BanditPolicy().next_k(s, 0, 8, prefill_rows=48) == first  # the bandit uses the same rule
+    assert FixedPolicy(5).next_k(s, 0, 8, prefill_rows=48) == 5      # a pinned k is the caller's
+    s.timing.load = TargetLoad(((1, 100.0), (16, 101.0), (64, 104.0), (128, 108.0)))  # rows nearly free
+    assert policy.next_k(s, 0, 8, prefill_rows=48) == policy.next_k(s, 0, 8)
 
 
 def test_load_factor_follows_the_curve() -> None:

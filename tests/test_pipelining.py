@@ -357,6 +357,28 @@ async def test_the_first_round_prefills_target_and_draft_side_by_side(overlap: b
         await stack.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_the_policy_is_told_what_the_target_prefills_in_each_round(overlap: bool, monkeypatch) -> None:
+    """A turn's first round carries its prompt into the target's forward (the policy prices its k
+    for that, kpolicy.prefill_round_k); steady rounds carry one token. With the prefill overlap the
+    first round runs target-only whatever k says, and its k only sizes round 2's pre-draft: 0 rows."""
+    seen: list[int] = []
+    real = CostModelPolicy.next_k
+
+    def spy(self, stats, min_k, max_k, prefill_rows=0):
+        seen.append(prefill_rows)
+        return real(self, stats, min_k, max_k, prefill_rows)
+    monkeypatch.setattr(CostModelPolicy, "next_k", spy)
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.001", speculation=SpeculationConfig(overlap_prefill=overlap))
+    try:
+        reply = await stack.generate(prompt_ids=LONG_PROMPT, max_new_tokens=12)
+        assert list(reply.token_ids) == reference_greedy(LONG_PROMPT, 12)
+        assert seen[0] == (0 if overlap else len(LONG_PROMPT)) and len(seen) >= 2, seen
+        assert set(seen[1:]) == {1}, seen
+    finally:
+        await stack.close()
+
+
 @pytest.mark.parametrize("server_default", [False, True])
 async def test_a_request_turns_the_prefill_overlap_on_or_off(server_default: bool) -> None:
     """SpeculationOptions.overlap_prefill wins over the server's setting, both ways."""
