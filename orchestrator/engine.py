@@ -255,8 +255,7 @@ class GenerationEngine:
             while True:
                 ticket = guard.decide() if guard is not None else None
                 forced_off = ticket is not None and ticket.mode == TARGET_ONLY
-                k = 0 if forced_off else policy.next_k(session.stats, spec.min_k, spec.max_k,
-                                                       prefill_rows=round_.target_prefill_rows())
+                k = 0 if forced_off else policy.next_k(session.stats, spec.min_k, spec.max_k, round_.target_prefill_rows())
                 log.debug("session %s: k=%d %s", session.session_id, k, session.stats.described(spec.max_k))
                 # A round yields up to k+1 tokens: never draft past the budget, nor past the draft's context.
                 k = min(k, stop.remaining - 1, self.draft_max_context - len(session.tokens))
