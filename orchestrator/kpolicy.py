@@ -455,8 +455,9 @@ class KPolicy(Protocol):
     name: str
 
     def next_k(self, stats: SessionStats, min_k: int, max_k: int, prefill_rows: int = 0) -> int:
-        """k for the next round; `prefill_rows`: tokens the target prefills in that round's forward
-        besides the drafts (a turn's new prompt; 1 or 0 in a steady round)."""
+        """k for the next round; `prefill_rows`: tokens the target takes in that round's forward
+        besides the drafts (a turn's new prompt; 1 in a steady round; 0: unknown, or a round
+        whose k does not size a verify)."""
 
 
 @dataclass
@@ -568,21 +569,19 @@ class BanditPolicy:
     def next_k(self, stats: SessionStats, min_k: int, max_k: int, prefill_rows: int = 0) -> int:
         arms = range(min_k, max_k + 1)
         prior = {k: CostModelPolicy.tokens_per_ms(stats, k, self.pipelined, self.branches) for k in arms}
-        if prefill_rows > 1:
-            # A prompt's round is no arm's typical round (its value is not the rate the arms
-            # learn): the cost model's marginal rule picks it, from the best arm's predicted rate.
-            best = max(arms, key=lambda k: prior[k])
-            if best > 0:
-                return prefill_round_k(stats, max(1, min_k), best, prefill_rows, prior[best])
         scale = max(prior.values()) or 1e-9
         total = sum(stats.arms.get(k, [0, 0])[0] for k in arms) + self.prior_weight * len(arms)
-        best_k, best_score = min_k, -math.inf
+        best_k, best_score, values = min_k, -math.inf, {}
         for k in arms:
             n, mean = stats.arms.get(k, [0.0, 0.0])
-            value = (self.prior_weight * prior[k] + n * mean) / (self.prior_weight + n)
+            values[k] = (self.prior_weight * prior[k] + n * mean) / (self.prior_weight + n)
             bonus = self.exploration * scale * math.sqrt(math.log(total) / (self.prior_weight + n))
-            if value + bonus > best_score:
-                best_k, best_score = k, value + bonus
+            if values[k] + bonus > best_score:
+                best_k, best_score = k, values[k] + bonus
+        if best_k > 0 and prefill_rows > 1:
+            # A prompt's round is no arm's typical round (arms learn steady rounds only): at most
+            # the arm's k, priced for the prompt's forward against the arm's learned rate.
+            return prefill_round_k(stats, max(1, min_k), best_k, prefill_rows, values[best_k])
         return best_k
 
 

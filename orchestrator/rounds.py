@@ -174,7 +174,7 @@ class Round:
         """Tokens the target would take in the next round's forward besides its drafts (its commit's
         appended tokens: a turn's new prompt, or 1 in a steady round). 0 where the prefill overlap
         will run that round target-only: its k is then the depth of round 2's pre-draft."""
-        rows = len(self.session.target_view.commit_for(self.session.tokens).append_tokens)
+        rows = self.session.target_view.appended_for(self.session.tokens)
         overlapped = (self.overlap_prefill and self.index == 0 and rows > OVERLAP_MIN_PREFILL
                       and self.stop.remaining >= 3)
         return 0 if overlapped else rows
@@ -209,6 +209,7 @@ class Round:
         canonical = self.session.tokens
         position = len(canonical)
         calls = _Calls()
+        prompt_round = self.session.target_view.appended_for(canonical) > 1
         reply, hit, saved_ms, branch_hit = await self._take_predraft(k, calls)
         # After the pre-draft settled: a pre-draft that found the draft down put it in backoff.
         use_draft = k > 0 and self.workers.draft_health_for(self.session.session_id).usable()
@@ -230,7 +231,10 @@ class Round:
                 and self.workers.draft_health_for(self.session.session_id).usable()):
             # One more than this round's k, so k can grow along a run of hits (the first token is
             # the bonus guess); the next round uses at most its own k of them.
-            depth = min(len(drafts) + 1, self.max_k, self.stop.remaining - len(drafts) - 2) + 1
+            # A prompt's round drafts few (kpolicy.prefill_round_k) but verifies long: its pre-draft
+            # goes to max_k, so the rounds after it are not held to that small k.
+            grow = self.max_k if prompt_round else len(drafts) + 1
+            depth = min(grow, self.max_k, self.stop.remaining - len(drafts) - 2) + 1
             self._start_predraft(canonical + drafts, depth)
             if self.branches and reply is not None:
                 self._start_branches(canonical, drafts, reply, depth)

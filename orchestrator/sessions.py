@@ -19,9 +19,16 @@ class WorkerView:
     """Tokens the orchestrator believes a worker caches for a session (rebuildable at any time)."""
     tokens: list[int] = field(default_factory=list)
 
-    def commit_for(self, canonical: list[int]) -> Commit:
+    def _keep(self, canonical: list[int]) -> int:
         # Keep at least one canonical token to feed: its logits predict the next token.
-        keep = min(common_prefix_len(self.tokens, canonical), max(0, len(canonical) - 1))
+        return min(common_prefix_len(self.tokens, canonical), max(0, len(canonical) - 1))
+
+    def appended_for(self, canonical: list[int]) -> int:
+        """How many tokens commit_for(canonical) appends (without hashing the kept prefix)."""
+        return len(canonical) - self._keep(canonical)
+
+    def commit_for(self, canonical: list[int]) -> Commit:
+        keep = self._keep(canonical)
         return Commit(cache_len=keep, prefix_hash=prefix_hash(canonical[:keep]),
                       append_tokens=tuple(canonical[keep:]))
 
