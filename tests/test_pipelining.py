@@ -294,6 +294,329 @@ def test_netbench_ceiling_and_verify_slowdown_from_round_traces(tmp_path) -> Non
     assert "| 1.16 |" in markdown([row]) and "| 1.15x |" in markdown([row])
 
 
+def test_metrics_count_predraft_outcomes_and_saved_time() -> None:
+    from orchestrator.metrics import OrchestratorMetrics
+    metrics = OrchestratorMetrics()
+
+    def record(hit: bool | None, saved: float, branch: bool | None = None) -> RoundRecord:
+        return RoundRecord("s", 2, 0, "cost", 3, (1, 2, 3), (), (), 3, (1, 2, 3, 4), "", None, False, True,
+                           40.0, 10.0, 100.0, 101.0, 105.0, 1, 1, 0, 0, predraft_hit=hit, predraft_saved_ms=saved,
+                           predraft_branch_hit=branch)
+    for hit, saved, branch in ((True, 30.0, None), (True, 20.0, True), (False, 0.0, False), (None, 0.0, True)):
+        metrics.observe(record(hit, saved, branch))
+    value = metrics.registry.get_sample_value
+    assert value("specdec_predrafts_total", {"outcome": "hit"}) == 2
+    assert value("specdec_predraft_branch_hits_total") == 1
+    assert value("specdec_predrafts_total", {"outcome": "miss"}) == 1
+    assert value("specdec_predraft_saved_seconds_total") == pytest.approx(0.05)
+
+
+async def test_k_can_grow_along_a_run_of_hits() -> None:
+    """Each pre-draft is one deeper than its round, so a policy that raises k on full acceptance
+    (heuristic: +2) is not held at its first k by the pipeline."""
+    stack = await start_stack(draft_ref="tiny:seed=0")
+    try:
+        serial = await _generate(stack, False, max_new_tokens=40, speculation={"policy": "heuristic", "max_k": 8})
+        piped = await _generate(stack, True, max_new_tokens=40, speculation={"policy": "heuristic", "max_k": 8})
+        assert list(piped.token_ids) == list(serial.token_ids) == reference_greedy(PROMPT, 40)
+        assert max(piped.stats.k_per_round) >= 6, list(piped.stats.k_per_round)
+        assert piped.stats.predraft_hits >= 3
+    finally:
+        await stack.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_the_first_round_prefills_target_and_draft_side_by_side(overlap: bool) -> None:
+    """Prefill overlap: round 1 runs target-only while the draft prefills the prompt beside it and
+    pre-drafts round 2; the target's prefill does not wait for the draft's."""
+    # A draft of its own (tiny:seed=0 would be the target's very model object, hooks and all).
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.001", speculation=SpeculationConfig(overlap_prefill=overlap))
+    assert stack.draft.core.model is not stack.target.core.model
+    events: list[str] = []
+
+    def slow_draft(module, args):
+        events.append("draft-start")
+        time.sleep(0.2)
+    hooks = [stack.draft.core.model.register_forward_pre_hook(slow_draft),
+             stack.draft.core.model.register_forward_hook(lambda *a: events.append("draft-end")),
+             stack.target.core.model.register_forward_pre_hook(lambda *a: events.append("target-start"))]
+    try:
+        reply = await stack.generate(prompt_ids=LONG_PROMPT, max_new_tokens=12)
+        assert list(reply.token_ids) == reference_greedy(LONG_PROMPT, 12)
+        s = reply.stats
+        if overlap:
+            # The target started its prefill while the draft's first forward was still running.
+            assert events.index("target-start") < events.index("draft-end"), events[:6]
+            assert s.k_per_round[0] == 0 and max(s.k_per_round) > 0
+            # The draft is nearly the target: its guess of the first token is right.
+            assert s.predraft_hits == 1 and s.predraft_misses == 0
+        else:
+            assert events.index("draft-end") < events.index("target-start"), (events[:6], list(s.k_per_round))
+            assert s.k_per_round[0] > 0 and s.predraft_hits == s.predraft_misses == 0
+        # A pinned k is the k of every round, the first included; a short prompt has nothing to hide.
+        fixed = await stack.generate(prompt_ids=LONG_PROMPT, max_new_tokens=12, speculation={"fixed_k": 3})
+        assert list(fixed.stats.k_per_round[:2]) == [3, 3]
+        short = await stack.generate(prompt_ids=PROMPT, max_new_tokens=12)
+        assert short.stats.predraft_hits == short.stats.predraft_misses == 0
+    finally:
+        for hook in hooks:
+            hook.remove()
+        await stack.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_the_policy_is_told_what_the_target_prefills_in_each_round(overlap: bool, monkeypatch) -> None:
+    """A turn's first round carries its prompt into the target's forward (the policy prices its k
+    for that, kpolicy.prefill_round_k); steady rounds carry one token. With the prefill overlap the
+    first round runs target-only whatever k says, and its k only sizes round 2's pre-draft: 0 rows."""
+    seen: list[int] = []
+    real = CostModelPolicy.next_k
+
+    def spy(self, stats, min_k, max_k, prefill_rows=0):
+        seen.append(prefill_rows)
+        return real(self, stats, min_k, max_k, prefill_rows)
+    monkeypatch.setattr(CostModelPolicy, "next_k", spy)
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.001", speculation=SpeculationConfig(overlap_prefill=overlap))
+    try:
+        reply = await stack.generate(prompt_ids=LONG_PROMPT, max_new_tokens=12)
+        assert list(reply.token_ids) == reference_greedy(LONG_PROMPT, 12)
+        assert seen[0] == (0 if overlap else len(LONG_PROMPT)) and len(seen) >= 2, seen
+        assert set(seen[1:]) == {1}, seen
+    finally:
+        await stack.close()
+
+
+async def test_a_prompt_rounds_small_k_does_not_hold_back_the_pre_drafts_after_it(monkeypatch) -> None:
+    """The first round drafts few (its k priced for the prompt's forward) but its pre-draft goes to
+    max_k: round 2, a hit, drafts its own steady k at once instead of growing to it one per round."""
+    def policy(self, stats, min_k, max_k, prefill_rows=0):
+        return 1 if prefill_rows > 1 else 6
+    monkeypatch.setattr(CostModelPolicy, "next_k", policy)
+    stack = await start_stack(draft_ref="tiny:seed=0")  # the target's own model: every draft accepted
+    try:
+        reply = await stack.generate(prompt_ids=LONG_PROMPT, max_new_tokens=14, speculation={"pipeline": True})
+        assert list(reply.token_ids) == reference_greedy(LONG_PROMPT, 14)
+        s = reply.stats
+        assert list(s.k_per_round[:2]) == [1, 6] and s.predraft_hits >= 1, list(s.k_per_round)
+        # Position 6 of a round's drafts was accepted: round 2 drafted 6 (held back: 2, then 3, 4...).
+        assert len(s.accepted_per_position) >= 6 and s.accepted_per_position[5] >= 1, list(s.accepted_per_position)
+    finally:
+        await stack.close()
+
+
+@pytest.mark.parametrize("server_default", [False, True])
+async def test_a_request_turns_the_prefill_overlap_on_or_off(server_default: bool) -> None:
+    """SpeculationOptions.overlap_prefill wins over the server's setting, both ways."""
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.001",
+                              speculation=SpeculationConfig(overlap_prefill=server_default))
+    try:
+        reply = await stack.generate(prompt_ids=LONG_PROMPT, max_new_tokens=12,
+                                     speculation={"overlap_prefill": not server_default})
+        assert list(reply.token_ids) == reference_greedy(LONG_PROMPT, 12)
+        s = reply.stats
+        if server_default:  # turned off: round 1 drafts, nothing was pre-drafted
+            assert s.k_per_round[0] > 0 and s.predraft_hits == s.predraft_misses == 0, list(s.k_per_round)
+        else:  # turned on: round 1 is target-only and round 2 takes the draft's pre-draft
+            assert s.k_per_round[0] == 0 and s.predraft_hits == 1, list(s.k_per_round)
+    finally:
+        await stack.close()
+
+
+# ----------------------------------------------------------------------------- branches
+
+def test_a_forked_slot_drafts_what_the_session_would_and_leaves_it_alone() -> None:
+    """A branch slot forked at a prefix drafts exactly what a session holding that prefix drafts
+    (the KV copy is the session's own), the source slot keeps its cache, ending the session ends
+    its slots, and bad forks answer NOT_FOUND, FAILED_PRECONDITION or INVALID_ARGUMENT."""
+    from draft_worker.engine import DraftEngine, ProposeParams
+    from specdec.contract import Commit, SamplingConfig, prefix_hash, slot_key
+    from specdec.errors import CacheMismatch, InvalidRequest
+    from specdec.models import load_model
+    from specdec.worker_core import WorkerCore
+
+    engine = DraftEngine(WorkerCore(load_model("tiny:seed=0,noise=0.03"), "draft"))
+    core, greedy = engine.core, SamplingConfig()
+    text = [5, 6, 7, 8, 9, 10, 11, 12]
+    engine.propose(ProposeParams("s", Commit(0, 0, tuple(text)), 3, greedy))
+    held = core.session_tokens("s")
+    fork = Commit(5, prefix_hash(text[:5]), (42,))
+    branch = engine.propose(ProposeParams("s", fork, 4, greedy, slot=2, fork_from=0))
+    alone = engine.propose(ProposeParams("fresh", Commit(0, 0, tuple(text[:5] + [42])), 4, greedy))
+    assert branch.tokens == alone.tokens and len(branch.tokens) == 4
+    assert [t for t, _ in branch.alternatives] == [t for t, _ in alone.alternatives]
+    assert all(t != d and 0 <= t for (t, _), d in zip(branch.alternatives, branch.tokens))
+    assert core.session_tokens("s") == held  # the source slot is untouched
+    assert core.session_tokens(slot_key("s", 2)) == text[:5] + [42] + branch.tokens[:-1]
+    # A slot forked again is replaced, not appended to.
+    engine.propose(ProposeParams("s", Commit(3, prefix_hash(text[:3]), (7,)), 1, greedy, slot=2, fork_from=0))
+    assert core.session_tokens(slot_key("s", 2)) == text[:3] + [7]
+    with pytest.raises(SessionNotFound):
+        engine.propose(ProposeParams("s", fork, 2, greedy, slot=1, fork_from=3))
+    with pytest.raises(CacheMismatch):
+        engine.propose(ProposeParams("s", Commit(5, prefix_hash([1, 2, 3, 4, 5]), (42,)), 2, greedy,
+                                     slot=1, fork_from=0))
+    for slot, source in ((9, 0), (1, 1), (0, 9)):
+        with pytest.raises(InvalidRequest):
+            engine.propose(ProposeParams("s", fork, 2, greedy, slot=slot, fork_from=source))
+    assert core.end_session("s")
+    assert core.session_tokens("s") is None and core.session_tokens(slot_key("s", 2)) is None
+    assert all(slot.pinned == 0 for slot in core.store._slots.values())
+
+
+def test_branch_points_take_the_likeliest_rejections() -> None:
+    from orchestrator.rounds import branch_points
+    drafts, probs = [1, 2, 3, 4], [0.9, 0.5, 0.9, 0.9]
+    alternatives = [(11, 0.05), (12, 0.4), (-1, 0.0), (14, 0.09)]
+    # Paths: j=0 0.05; j=1 0.9*0.4 = 0.36; j=2 has no runner-up; j=3 0.9*0.5*0.9*0.09 = 0.036.
+    assert branch_points(drafts, probs, alternatives, remaining=20, budget=2) == [(1, 12), (0, 11)]
+    assert branch_points(drafts, probs, alternatives, remaining=20, budget=8) == [(1, 12), (0, 11), (3, 14)]
+    assert branch_points(drafts, probs, alternatives, remaining=3, budget=8) == [(0, 11)]  # a round must follow
+    assert branch_points(drafts, probs, alternatives, remaining=20, budget=0) == []
+    assert branch_points([1], [0.9], [(1, 0.1)], remaining=20, budget=2) == []  # the runner-up is the draft
+
+
+def test_the_cost_model_counts_branch_hits() -> None:
+    stats = SessionStats()
+    stats.timing.seed(40.0, {k: 300.0 + 5 * k for k in range(9)})
+    stats.timing.draft_curve = ((1, 10.0), (9, 10.0))  # branches ride along for free (a GPU draft)
+    stats.acceptance = Ewma(0.3, 0.6)
+    stats.bonus_match, stats.branch_match = Ewma(0.2, 0.5), Ewma(0.2, 0.8)
+    plain = CostModelPolicy.tokens_per_ms(stats, 3, True, 0)
+    assert CostModelPolicy.tokens_per_ms(stats, 3, True, 2) > plain
+    stats.timing.load.target_batch = Ewma(0.3, 4.0)  # other sessions on the pair: no branches
+    assert CostModelPolicy.tokens_per_ms(stats, 3, True, 2) == pytest.approx(plain)
+    stats.timing.load.target_batch = Ewma(0.3, 1.0)
+    stats.timing.draft_curve = ((1, 10.0), (2, 30.0))  # no time for them beside the main pre-draft
+    assert CostModelPolicy.tokens_per_ms(stats, 3, True, 2) == pytest.approx(plain)
+    stats.timing.draft_curve = ((1, 10.0), (9, 10.0))
+    assert CostModelPolicy.tokens_per_ms(stats, 0, True, 2) == CostModelPolicy.tokens_per_ms(stats, 0, False)
+    stats.branch_match = Ewma(0.2, 0.0)  # branches never guess right: nothing gained
+    assert CostModelPolicy.tokens_per_ms(stats, 3, True, 2) == pytest.approx(plain)
+    assert SpeculationConfig().pipeline_branches == 2
+    assert SpeculationConfig().with_override(SpeculationOverride(pipeline_branches=0)).pipeline_branches == 0
+    assert SpeculationConfig(pipeline=True).make_policy().branches == 2
+    for bad in (-1, 9, True, 1.5):
+        with pytest.raises(Exception, match="pipeline_branches"):
+            SpeculationConfig().with_values({"pipeline_branches": bad}, "test")
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0}], ids=["greedy", "t1"])
+async def test_branch_predrafts_hit_and_change_no_token(sampling: dict) -> None:
+    # (the draft worker advertises its branch slots; the orchestrator pre-drafts on branches only then)
+    """With branches, rounds after a rejection whose correction was the draft's runner-up take their
+    drafts from the branch at once, and the output is the serial output token for token (greedy: the
+    target's own); with branches off, no such hit is counted. (A far target, 40 ms per call, gives
+    the draft the idle time branches need: kpolicy.branch_budget.)"""
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.03", target_call_delay_ms=40.0)
+    try:
+        branch_hits = 0
+        for seed in range(4):
+            serial = await _generate(stack, False, max_new_tokens=40, seed=seed, **sampling)
+            branched = await _generate(stack, True, max_new_tokens=40, seed=seed, **sampling,
+                                       speculation={"fixed_k": 3, "pipeline": True})
+            plain = await _generate(stack, True, max_new_tokens=40, seed=seed, **sampling,
+                                    speculation={"fixed_k": 3, "pipeline": True, "pipeline_branches": 0})
+            assert list(branched.token_ids) == list(serial.token_ids) == list(plain.token_ids), seed
+            if not sampling:
+                assert list(serial.token_ids) == reference_greedy(PROMPT, 40)
+            assert plain.stats.predraft_branch_hits == 0
+            assert branched.stats.predraft_branch_hits <= branched.stats.predraft_hits
+            branch_hits += branched.stats.predraft_branch_hits
+        assert branch_hits > 0
+    finally:
+        await stack.close()
+
+
+async def test_branches_only_where_the_draft_worker_has_slots() -> None:
+    """The draft advertises its branch slots in GetInfo (the target none); an orchestrator whose draft
+    has none (an older worker) pre-drafts on no branch, and the output is the same."""
+    from specdec.contract import MAX_BRANCH_SLOTS
+    from specdec.v1 import common_pb2
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.03", target_call_delay_ms=40.0)
+    try:
+        assert (await draft_stub(stack).GetInfo(common_pb2.GetInfoRequest())).branch_slots == MAX_BRANCH_SLOTS
+        assert (await target_stub(stack).GetInfo(common_pb2.GetInfoRequest())).branch_slots == 0
+        engine = stack.orch.engine
+        assert engine.draft_branch_slots == MAX_BRANCH_SLOTS
+        slots: list[int] = []
+        original = stack.draft.engine.propose_steps
+
+        def spy(params):
+            slots.append(params.slot)
+            return original(params)
+        stack.draft.engine.propose_steps = spy
+        with_branches = await _generate(stack, True, max_new_tokens=40)
+        assert any(slot > 0 for slot in slots)
+        engine.draft_branch_slots, slots[:] = 0, []
+        without = await _generate(stack, True, max_new_tokens=40)
+        assert slots and all(slot == 0 for slot in slots) and without.stats.predraft_branch_hits == 0
+        assert list(without.token_ids) == list(with_branches.token_ids) == reference_greedy(PROMPT, 40)
+    finally:
+        await stack.close()
+
+
+def test_branch_budget_uses_only_the_time_the_draft_would_idle() -> None:
+    from orchestrator.kpolicy import TimingModel, branch_budget
+    timing = TimingModel()
+    timing.seed(100.0, {k: 300.0 + 100.0 * k for k in range(9)})  # verify at k = 3: 600 ms
+    timing.rtt_ms, timing.draft_rtt_ms = Ewma(0.2, 0.0), Ewma(0.2, 0.0)
+    # A GPU-like draft: a forward over 3 rows costs what one does. 5 tokens = 500 ms fit in 600.
+    timing.draft_curve = ((1, 10.0), (3, 10.0), (9, 11.0))
+    assert branch_budget(timing, 3, 5, 2) == 2
+    assert branch_budget(timing, 3, 5, 0) == 0 and branch_budget(timing, 0, 5, 2) == 0
+    # A CPU-like draft whose forward grows with its rows: 2 rows 1.1x fits (550 ms), 3 rows 1.5x not.
+    timing.draft_curve = ((1, 10.0), (2, 11.0), (3, 15.0), (9, 40.0))
+    assert branch_budget(timing, 3, 5, 2) == 1
+    # A draft slower than the verify: no branch, which would only delay the main pre-draft.
+    timing.draft_ms_per_token = Ewma(0.2, 130.0)
+    assert branch_budget(timing, 3, 5, 2) == 0
+    # No calibration: rows are priced as linear, so branches need that much slack.
+    timing.draft_curve, timing.draft_ms_per_token = (), Ewma(0.2, 40.0)
+    assert timing.draft_rows_factor(3) == 3.0
+    assert branch_budget(timing, 3, 5, 2) == 2  # 5 x 40 x 3 = 600 <= 600
+    timing.draft_ms_per_token = Ewma(0.2, 45.0)
+    assert branch_budget(timing, 3, 5, 2) == 1  # 5 x 45 x 2 = 450
+
+
+async def test_a_draft_that_ignores_slots_turns_branches_off() -> None:
+    """A draft worker that runs branch calls on the session's own cache (an older worker behind the
+    same address, which knows no slots) is found out from the slot its reply names: branches stop
+    for good, and the output is still the target's."""
+    import dataclasses
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.03", target_call_delay_ms=40.0)
+    try:
+        original = stack.draft.engine.propose_steps
+        forks: list[int] = []
+
+        def old_worker(params):
+            forks.append(params.slot)
+            return original(dataclasses.replace(params, slot=0, fork_from=None))
+        stack.draft.engine.propose_steps = old_worker
+        reply = await _generate(stack, True, max_new_tokens=40)
+        assert list(reply.token_ids) == reference_greedy(PROMPT, 40)
+        assert any(slot > 0 for slot in forks) and stack.orch.engine.draft_branch_slots == 0
+        forks.clear()
+        reply = await _generate(stack, True, max_new_tokens=40)
+        assert list(reply.token_ids) == reference_greedy(PROMPT, 40) and forks and set(forks) == {0}
+    finally:
+        await stack.close()
+
+
+def test_branch_copies_are_evicted_before_sessions() -> None:
+    from specdec.contract import is_branch_key, slot_key
+    from specdec.session_store import SessionStore
+
+    class Item:
+        def nbytes(self) -> int:
+            return 10
+    store: SessionStore[Item] = SessionStore(max_bytes=30, ttl_s=60.0)
+    for key in ("a", slot_key("a", 1), "b", slot_key("b", 2)):
+        store.put(key, Item())
+    assert store.enforce_budget(first=is_branch_key) == [slot_key("a", 1)]
+    assert "a" in store and "b" in store and slot_key("b", 2) in store
+    assert store.enforce_budget(extra_bytes=10) == ["a"]  # without a preference: LRU order
+
+
 def test_netbench_smoke_runs_every_system_and_reads_its_traces(tmp_path) -> None:
     """`specdec netbench --smoke` end to end (tiny models, real services): every system runs, the
     outputs match target-only's, and the round traces map onto the requests (ceiling reported)."""
