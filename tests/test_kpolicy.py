@@ -294,6 +294,11 @@ def test_a_prompts_round_drafts_less_where_its_forward_is_compute_bound() -> Non
     assert FixedPolicy(5).next_k(s, 0, 8, prefill_rows=48) == 5      # a pinned k is the caller's
     s.timing.load = TargetLoad(((1, 100.0), (16, 101.0), (64, 104.0), (128, 108.0)))  # rows nearly free
     assert policy.next_k(s, 0, 8, prefill_rows=48) == policy.next_k(s, 0, 8)
+    s.timing.load = TargetLoad(((1, 100.0), (9, 104.0), (16, 108.0), (32, 268.0), (64, 588.0)))
+    assert policy.next_k(s, 3, 8, prefill_rows=48) >= 3          # never below min_k
+    assert policy.next_k(s, first, first, prefill_rows=48) == first  # nothing to choose from
+    s.timing.load = TargetLoad()                                   # no rows curve: the steady k
+    assert policy.next_k(s, 0, 8, prefill_rows=48) == policy.next_k(s, 0, 8)
     # A bandit that learned k = 0 is best keeps it for a prompt's round too (its own pick, not the
     # cost model's).
     s.arms = {k: [50.0, 0.02 if k == 0 else 0.001] for k in range(9)}
