@@ -249,7 +249,7 @@ class GenerationEngine:
         prior = self.prior_for(session.session_id)
         guard = self.guard_for(session.session_id) if spec.guarded else None
         observers: list[Any] = [stats, *self.observers]
-        learners: list[Any] = [session.stats, _PriorObserver(prior)]  # what the policy knows
+        learners: list[Any] = [session.stats, _PriorObserver(prior, spec.picks_target_only)]  # what the policy knows
         label = "" if session.ephemeral else session.session_id
         try:
             while True:
@@ -290,11 +290,11 @@ def seeded_stats(draft: WorkerDescription | None, target: WorkerDescription, max
 
 
 class _PriorObserver:
-    """The worker pair's prior learns acceptance and rates from every round; its timings are carried
-    over from the session at the end of a turn."""
+    """The pair's prior learns from every round but a caller's pinned k = 0 (no sign that drafting loses)."""
 
-    def __init__(self, prior: SessionStats) -> None:
-        self.prior = prior
+    def __init__(self, prior: SessionStats, policy_picks_target_only: bool) -> None:
+        self.prior, self.policy_picks_target_only = prior, policy_picks_target_only
 
     def observe(self, record: RoundRecord) -> None:
-        self.prior.observe(record, timing=False)
+        if record.k > 0 or self.policy_picks_target_only:
+            self.prior.observe(record, timing=False)

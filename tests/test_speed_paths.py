@@ -390,6 +390,28 @@ async def test_a_new_session_keeps_the_pairs_probe_backoff() -> None:
         await stack.close()
 
 
+async def test_a_callers_target_only_request_does_not_put_the_pair_into_target_only() -> None:
+    """A request pinned to k = 0 (fixed_k = 0) is the caller's choice, not a sign that drafting
+    loses: the pair's prior does not count its rounds as a target-only stretch. Otherwise the next
+    session would start mid back-off, and one unlucky first round would keep it at k = 0 until a
+    probe (seen in netbench: a serial request right after a target-only one ran 97 % of its rounds
+    at k = 0)."""
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.001", speculation=SpeculationConfig(guard=False))
+    try:
+        pinned = await stack.generate(prompt_ids=[5, 6, 7], max_new_tokens=30, speculation={"fixed_k": 0})
+        assert set(pinned.stats.k_per_round) == {0} and len(pinned.stats.k_per_round) == 30
+        prior = stack.orch.engine.prior_for("any")
+        assert prior.rounds_since_draft == 0 and prior.failed_probes == 0
+        # k = 0 rounds the policy chose do count (here it soon finds the tiny draft not worth it).
+        chosen = await stack.generate(prompt_ids=[5, 6, 8], max_new_tokens=30)
+        assert list(chosen.token_ids) == reference_greedy([5, 6, 8], 30)
+        ks = list(chosen.stats.k_per_round)
+        trailing = len(ks) - 1 - max(i for i, k in enumerate(ks) if k > 0)
+        assert trailing > 0 and prior.rounds_since_draft == trailing, ks
+    finally:
+        await stack.close()
+
+
 def test_target_calibration_measures_load_points_even_on_a_tight_budget() -> None:
     model = load_model("tiny:seed=0").model
     curve = measure_cost_curve(model, 260, max_tokens=5, contexts=(8,), budget_s=1e-9, load_tokens=(16, 32))
