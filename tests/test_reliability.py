@@ -275,7 +275,10 @@ async def test_bad_bytes_and_oversized_messages(stack) -> None:
 async def test_bounded_load_all_outputs_correct() -> None:
     stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02", max_concurrent=64, max_queue=64)
     try:
-        report = await run_load(stack.address, concurrency=32, requests=64, max_new_tokens=16, time_limit_s=120)
+        # k pinned: at 32 sessions the adaptive policy rightly runs tiny models mostly target-only,
+        # and this test is about speculative rounds batched under load staying exact.
+        report = await run_load(stack.address, concurrency=32, requests=64, max_new_tokens=16, time_limit_s=120,
+                                fixed_k=3)
         summary = report.summary()
         assert summary["errors"] == {} and report.mismatches == 0 and report.ok == 64, summary
         assert 0 < summary["p50_ms"] <= summary["p99_ms"]

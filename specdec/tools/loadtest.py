@@ -71,7 +71,9 @@ def make_request(prompt: list[int], max_new_tokens: int, fixed_k: int | None) ->
 
 async def run_load(address: str, concurrency: int, requests: int, max_new_tokens: int = 16,
                    distinct_prompts: int = 8, seed: int = 0, vocab_hint: int = 256, timeout_s: float = 60.0,
-                   time_limit_s: float = 300.0) -> LoadReport:
+                   time_limit_s: float = 300.0, fixed_k: int | None = None) -> LoadReport:
+    """`requests` streams, `concurrency` at a time, each checked against its prompt's target-only
+    output; fixed_k pins the load requests' k (None: the server's policy)."""
     prompts = prompts_for(distinct_prompts, seed, vocab_hint)
     report = LoadReport()
     async with grpc.aio.insecure_channel(address) as channel:
@@ -93,7 +95,7 @@ async def run_load(address: str, concurrency: int, requests: int, max_new_tokens
                 ids: list[int] = []
                 first = None
                 try:
-                    async for chunk in stub.GenerateStream(make_request(prompts[idx], max_new_tokens, None),
+                    async for chunk in stub.GenerateStream(make_request(prompts[idx], max_new_tokens, fixed_k),
                                                            timeout=timeout_s):
                         if first is None and chunk.token_ids:
                             first = (time.perf_counter() - start) * 1000.0
