@@ -175,9 +175,12 @@ class Round:
         appended tokens: a turn's new prompt, or 1 in a steady round). 0 where the prefill overlap
         will run that round target-only: its k is then the depth of round 2's pre-draft."""
         rows = self.session.target_view.appended_for(self.session.tokens)
-        overlapped = (self.overlap_prefill and self.index == 0 and rows > OVERLAP_MIN_PREFILL
-                      and self.stop.remaining >= 3)
-        return 0 if overlapped else rows
+        return 0 if self._overlaps(self.index + 1, rows) else rows
+
+    def _overlaps(self, index: int, prefill_rows: int) -> bool:
+        """Whether round `index`, with this many tokens for the target to take, runs the prefill overlap."""
+        return (self.overlap_prefill and index == 1 and self.stop.remaining >= 3
+                and prefill_rows > OVERLAP_MIN_PREFILL)
 
     async def run_guarded(self, k: int, guard: PairGuard | None, ticket: GuardTicket | None) -> RoundRecord:
         """run(k), with the worker pair's guard told what the round made (or that it measured nothing)."""
@@ -209,12 +212,11 @@ class Round:
         canonical = self.session.tokens
         position = len(canonical)
         calls = _Calls()
-        prompt_round = self.session.target_view.appended_for(canonical) > 1
+        prefill_rows = self.session.target_view.appended_for(canonical)
         reply, hit, saved_ms, branch_hit = await self._take_predraft(k, calls)
         # After the pre-draft settled: a pre-draft that found the draft down put it in backoff.
         use_draft = k > 0 and self.workers.draft_health_for(self.session.session_id).usable()
-        if (reply is None and use_draft and self.overlap_prefill and self.index == 1 and self.stop.remaining >= 3
-                and len(self.session.target_view.commit_for(canonical).append_tokens) > OVERLAP_MIN_PREFILL):
+        if reply is None and use_draft and self._overlaps(self.index, prefill_rows):
             # The turn's first round has a prompt to prefill on both workers. Serially the target
             # would wait for the draft's prefill; instead the target prefills and answers the first
             # token alone (k = 0) while the draft prefills and pre-drafts the next round, its first
@@ -233,7 +235,7 @@ class Round:
             # the bonus guess); the next round uses at most its own k of them.
             # A prompt's round drafts few (kpolicy.prefill_round_k) but verifies long: its pre-draft
             # goes to max_k, so the rounds after it are not held to that small k.
-            grow = self.max_k if prompt_round else len(drafts) + 1
+            grow = self.max_k if prefill_rows > 1 else len(drafts) + 1
             depth = min(grow, self.max_k, self.stop.remaining - len(drafts) - 2) + 1
             self._start_predraft(canonical + drafts, depth)
             if self.branches and reply is not None:

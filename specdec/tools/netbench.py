@@ -115,9 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     runs: list[NetRun] = []
+    orch_config = netbench_config(config, out)
     for latency in latencies:
         orch_args = ["--log-level", "WARNING", "--emulate-one-way-latency-ms", str(latency)]
-        orch_args += ["--config", str(netbench_config(config, out))]
+        orch_args += ["--config", str(orch_config)]
         worker_args = ["--calibration-s", str(args.calibration_s)]
         cpu_sets = {"target": args.target_cpus, "draft": args.draft_cpus}
         trace = out / f"rounds-{latency:g}ms.jsonl"
