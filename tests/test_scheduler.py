@@ -270,9 +270,20 @@ def test_window_waits_only_for_sessions_that_are_due() -> None:
             # A session that comes straight back (a round trip of 3 ms) is due right after its call.
             scheduler._returns["fast"] = (200.0, 0.003)
             assert scheduler._due_calls() == 1
-            # A session with no learned gap is never waited for: a single stream pays nothing.
+            # A session with no learned gap, and no other session to learn from, is never waited for:
+            # a single stream pays nothing.
             scheduler._returns.clear()
             scheduler._returns["new"] = (200.0, 0.0)
+            assert scheduler._due_calls() == 0
+            # Beside sessions that come back 3-4 ms after a call, a new one (after its prompt's call)
+            # is expected as they are: due now, overdue past twice the typical gap and the window.
+            scheduler._returns.update({"a": (150.0, 0.003), "b": (150.0, 0.004), "c": (150.0, 0.003)})
+            assert scheduler._typical_gap() == 0.003
+            assert scheduler._due_calls() == 1
+            now[0] = 200.0 + 2 * 0.003 + 0.005 + 0.001
+            assert scheduler._due_calls() == 0 and "new" in scheduler._returns
+            # Its own gap, once learned, wins over the others'.
+            scheduler._returns["new"] = (now[0], 0.5)
             assert scheduler._due_calls() == 0
             # The window is at most a tenth of a forward: fast forwards wait less.
             scheduler.forwards, scheduler._step_s = 10, 0.02
@@ -349,6 +360,44 @@ def test_with_shared_compute_sessions_of_different_gaps_fall_into_step() -> None
     assert sum(b == ["fast", "slow"] for b in together[4:]) >= 0.5 * len(together[4:]), together
     # Without it "fast" does not wait 40 ms for "slow": most forwards run one of them.
     assert len(apart) > len(together), (apart, together)
+
+
+def test_a_new_sessions_second_call_joins_the_forward_of_the_others() -> None:
+    """A stream's request is a new session: its first call is the prompt's, and it comes back a
+    little later than the streams already decoding (12 ms against their 3). Expected back as they
+    are, it shares their next forward instead of missing it and waiting a whole forward."""
+    import time as _time
+
+    batches: list[list[str]] = []
+
+    def forward(steps):
+        _time.sleep(0.2)
+        batches.append(sorted(s.session for s in steps))
+        return [0] * len(steps)
+    scheduler = BatchScheduler(forward, BatchLimits(window_ms=20.0))
+    stop = threading.Event()
+
+    def loop(session: str) -> None:
+        while not stop.is_set():
+            scheduler.submit(session, call(session))[0].result(WAIT_S)
+            _time.sleep(0.003)
+    threads = [threading.Thread(target=loop, args=(name,)) for name in ("old1", "old2")]
+    try:
+        for t in threads:
+            t.start()
+        while len(batches) < 4:  # the old sessions' gaps are learned
+            _time.sleep(0.01)
+        scheduler.submit("fresh", call("fresh"))[0].result(WAIT_S)
+        _time.sleep(0.012)
+        scheduler.submit("fresh", call("fresh"))[0].result(WAIT_S)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(WAIT_S)
+        scheduler.close()
+    with_fresh = [i for i, b in enumerate(batches) if "fresh" in b]
+    assert len(with_fresh) == 2 and batches[with_fresh[0]] == batches[with_fresh[1]] == ["fresh", "old1", "old2"], batches
+    assert with_fresh[1] == with_fresh[0] + 1, batches  # the very next forward, not one later
 
 
 def test_a_session_that_ended_is_not_waited_for(forward) -> None:
