@@ -166,6 +166,7 @@ class BatchScheduler:
         self._closed = False
         # Sessions whose last call ended recently -> (end time, EWMA of their gap until the next call).
         self._returns: dict[str, tuple[float, float]] = {}
+        self._recent_gaps: collections.deque[float] = collections.deque(maxlen=64)  # any session's
         self._busy: collections.deque[tuple[float, float]] = collections.deque()
         self._util_window_s = utilisation_window_s
         self._started = clock()
@@ -260,22 +261,30 @@ class BatchScheduler:
         if self.limits.window_ms <= 0:
             return
         until = self._clock() + self._window_s()
-        while not self._closed and self._due_calls() > 0:
-            remaining = until - self._clock()
-            if remaining <= 0:
+        while not self._closed:
+            due, overdue_at = self._due()
+            remaining = min(until, overdue_at) - self._clock()
+            if due == 0 or remaining <= 0:
                 return
+            # Woken by each call that arrives, and when the first due session turns overdue: one that
+            # is not coming back (its stream's request ended) holds the forward until then, not for
+            # the whole window (a forward's time with shared compute).
             self._cond.wait(remaining)
 
     def _due_calls(self) -> int:
+        return self._due()[0]
+
+    def _due(self) -> tuple[int, float]:
+        """How many sessions are due back, and when the first of them turns overdue (lock held)."""
         if len(self._waiting) + len(self._active) >= self.limits.max_batch:
-            return 0
+            return 0, float("inf")
         now, window = self._clock(), self._window_s()
         # Overdue past twice its gap and the window; with a forward-long window (shared compute), past
         # 1.5 times its gap and the short window: a session whose turn ended must not hold a forward long.
         overdue, late = (1.5, self.limits.window_ms / 1000.0) if self.limits.shared_compute else (2.0, window)
         present = {j.session_id for j in self._waiting} | {j.session_id for j in self._active}
         typical = self._typical_gap()
-        due = 0
+        due, overdue_at = 0, float("inf")
         for sid, (ended, learned) in list(self._returns.items()):
             since = now - ended
             gap = learned or typical  # a session after its first call comes back as the others do
@@ -283,14 +292,15 @@ class BatchScheduler:
                 del self._returns[sid]  # gone quiet: stop expecting it
             elif sid not in present and gap > 0 and since + window >= gap and since <= overdue * gap + late:
                 due += 1  # it usually comes back within the window from now, and is not overdue
-        return due
+                overdue_at = min(overdue_at, ended + overdue * gap + late)
+        return due, overdue_at
 
     def _typical_gap(self) -> float:
-        """The median learned gap of the sessions seen lately, 0 when none has one yet. A new session
+        """The median of the last 64 gaps learned from any session, 0 before the first. A new session
         (each request of a stream is one) has no gap of its own after its first call, the prompt's; not
-        expecting it then made its first decode step miss the next forward and wait a whole one, and at
-        8 streams those waits were the p99 inter-token gaps."""
-        gaps = sorted(gap for _, gap in self._returns.values() if gap > 0)
+        expecting it made its first decode step miss the next forward and wait a whole one. Kept past
+        the sessions themselves, so that the first wave of a new burst of streams is expected too."""
+        gaps = sorted(self._recent_gaps)
         return gaps[len(gaps) // 2] if gaps else 0.0
 
     def _admit(self) -> list[_Job]:
@@ -310,6 +320,7 @@ class BatchScheduler:
                 ended = self._returns.get(job.session_id)
                 if ended is not None:  # learn how soon this session comes back after a call
                     gap = max(0.0, job.submitted - ended[0])
+                    self._recent_gaps.append(gap)
                     self._returns[job.session_id] = (ended[0], gap if ended[1] <= 0 else 0.7 * ended[1] + 0.3 * gap)
             else:
                 kept.append(job)

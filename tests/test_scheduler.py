@@ -277,7 +277,7 @@ def test_window_waits_only_for_sessions_that_are_due() -> None:
             assert scheduler._due_calls() == 0
             # Beside sessions that come back 3-4 ms after a call, a new one (after its prompt's call)
             # is expected as they are: due now, overdue past twice the typical gap and the window.
-            scheduler._returns.update({"a": (150.0, 0.003), "b": (150.0, 0.004), "c": (150.0, 0.003)})
+            scheduler._recent_gaps.extend([0.003, 0.004, 0.003])  # learned from sessions now gone
             assert scheduler._typical_gap() == 0.003
             assert scheduler._due_calls() == 1
             now[0] = 200.0 + 2 * 0.003 + 0.005 + 0.001
@@ -321,6 +321,38 @@ def test_with_shared_compute_a_forward_waits_up_to_its_own_time_for_sessions_sti
                 assert plain._window_s() == pytest.approx(0.005) and plain._due_calls() == 0
         finally:
             plain.close()
+    finally:
+        scheduler.close()
+
+
+def test_a_due_session_that_does_not_come_back_holds_the_forward_only_until_it_is_overdue() -> None:
+    """With shared compute the window is a whole forward (here 3 s); a session expected 10 ms after
+    its call that never returns (its stream's request ended) must release the forward when it turns
+    overdue (1.5 x 10 ms + the 5 ms cap), not at the end of the window."""
+    import time as _time
+
+    now = [100.0]
+    clocked = BatchScheduler(lambda steps: [0] * len(steps), BatchLimits(window_ms=5.0, shared_compute=True),
+                             clock=lambda: now[0])
+    try:
+        with clocked._cond:
+            clocked.forwards, clocked._step_s = 10, 3.0
+            clocked._returns.update({"gone": (100.0, 0.010), "later": (100.0, 0.020)})
+            due, overdue_at = clocked._due()
+            assert due == 2 and overdue_at == pytest.approx(100.0 + 1.5 * 0.010 + 0.005)
+    finally:
+        clocked.close()
+
+    started: list[float] = []
+    scheduler = BatchScheduler(lambda steps: started.append(_time.monotonic()) or [0] * len(steps),
+                               BatchLimits(window_ms=5.0, shared_compute=True))
+    try:
+        with scheduler._cond:
+            scheduler.forwards, scheduler._step_s = 10, 3.0
+            scheduler._returns["gone"] = (_time.monotonic(), 0.010)
+        submitted = _time.monotonic()
+        scheduler.submit("x", call("x"))[0].result(WAIT_S)
+        assert started and started[0] - submitted < 1.0, started[0] - submitted  # not the 3 s window
     finally:
         scheduler.close()
 
