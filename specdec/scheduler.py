@@ -61,6 +61,8 @@ Steps = Generator[Any, Any, Any]
 # A step of at most this many rows is a decode step (a verify of up to 32 drafts, the most a request
 # may ask for, or a draft's catch-up): never chunked, and not counted in a forward's prompt budget.
 DECODE_STEP_ROWS = 33
+# The fewest prompt rows a shared forward carries while prompts wait: below this a prompt crawls.
+MIN_PROMPT_CHUNK = 16
 
 
 class QueueFull(CapacityExceeded):
@@ -80,10 +82,14 @@ class BatchLimits:
     # (rows, ms) forward costs (`--prefill-chunk auto`): each forward's prompt budget is then sized
     # against the decode rows it actually runs (prefill_chunk_for), prefill_chunk where it cannot tell.
     prefill_curve: tuple[tuple[int, float], ...] = ()
+    # With a curve: > 0 sizes each forward's prompt budget so that its decode steps each cost at most
+    # this many times what one of them costs alone (an inter-token latency bound, prefill_chunk_within),
+    # and every prompt row counts, the short rests of chunked prompts too. 0: the budget above.
+    prefill_itl_factor: float = 0.0
 
     def validate(self) -> None:
         if (self.max_batch < 1 or self.max_batch_tokens < 1 or self.max_queue < 0 or self.window_ms < 0
-                or self.prefill_chunk < 0):
+                or self.prefill_chunk < 0 or self.prefill_itl_factor < 0):
             raise ValueError(f"invalid batch limits {self}")
 
 
@@ -101,6 +107,22 @@ def prefill_chunk_for(curve: Sequence[tuple[int, float]], decode_rows: int, cap:
     chunk = 16
     while chunk * 2 <= cap and curves.extended(points, decode_rows + chunk * 2) <= limit:
         chunk *= 2
+    return chunk
+
+
+def prefill_chunk_within(curve: Sequence[tuple[int, float]], decode_rows: int, step_rows: int, factor: float,
+                         cap: int) -> int:
+    """Prompt rows for a forward beside `decode_rows` decode rows in steps of `step_rows` each, such that
+    the forward costs at most `factor` times one step's forward alone: what a stream pays per step
+    when it runs by itself. Multiples of 8 from 16; 16 where even that breaks the bound (the decode
+    rows alone do, or a forward of 16 more rows does), so that prompts always make progress. A bound
+    on inter-token latency under load, paid for in first-token latency: a prompt takes more forwards."""
+    points = sorted(curve)
+    limit = factor * (curves.extended(points, step_rows) or 0.0)
+    chunk = MIN_PROMPT_CHUNK
+    while (decode_rows + chunk + 8 <= cap
+           and (curves.extended(points, decode_rows + chunk + 8) or float("inf")) <= limit):
+        chunk += 8
     return chunk
 
 
@@ -382,14 +404,20 @@ class BatchScheduler:
         if chunking:  # decode steps first, so a prompt's chunk never crowds them out of the row cap
             ready = decoding + [j for j in ready if len(j.pending.tokens) > DECODE_STEP_ROWS]
         prefill_left: int | None = None  # sized at the first prompt, against the decode rows before it
+        itl_bound = self.limits.prefill_itl_factor > 0 and bool(self.limits.prefill_curve)
         batch: list[tuple[_Job, Any, bool]] = []
         rows = decode_rows = 0
         for job in ready:
             step = job.pending
             size = len(step.tokens)
             prompt = size > DECODE_STEP_ROWS or job.chunked  # (a short rest of a prompt runs as a decode step)
-            if chunking and size > DECODE_STEP_ROWS:
-                if prefill_left is None:
+            if chunking and (size > DECODE_STEP_ROWS or (itl_bound and job.chunked)):
+                if prefill_left is None and itl_bound:  # against every decode step of the forward
+                    steps_rows = [len(j.pending.tokens) for j in decoding if not j.chunked]
+                    prefill_left = prefill_chunk_within(
+                        self.limits.prefill_curve, sum(steps_rows), -(-sum(steps_rows) // max(1, len(steps_rows))),
+                        self.limits.prefill_itl_factor, self.limits.max_batch_tokens)
+                elif prefill_left is None:
                     prefill_left = self._prompt_budget(decode_rows)
                 take = min(prefill_left, self.limits.max_batch_tokens - rows)
                 parts = step.split(take) if 0 < take < size and hasattr(step, "split") else None

@@ -14,7 +14,7 @@ from specdec import grpc_util
 from specdec.errors import DeadlineExceeded
 from specdec.v1 import common_pb2
 from specdec.contract import MAX_BRANCH_SLOTS, CallStats, CostCurve, validate_session_id
-from specdec.scheduler import BatchLimits, BatchScheduler, prefill_chunk_for
+from specdec.scheduler import BatchLimits, BatchScheduler, prefill_chunk_for, prefill_chunk_within
 from specdec.worker_core import ForwardStep, StoreLimits, WorkerCore
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,11 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
                              "the most rows that at most double a forward of --max-batch decode rows, or of the "
                              "decode rows beside them where there are more (speculating sessions' verifies), "
                              "from this worker's startup measurement (64 where nothing was measured)")
+    parser.add_argument("--prefill-itl-factor", type=float, default=0.0,
+                        help="with --prefill-chunk auto: size each forward's prompt rows so that every decode step "
+                             "in it costs at most this many times what it costs alone (2: inter-token latency "
+                             "under load at most about twice one stream's), at least 16 rows; first tokens then "
+                             "come later, as prompts take more forwards. 0 (default): the budget of --prefill-chunk")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="calls waiting for a batch slot; more are refused with RESOURCE_EXHAUSTED")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
@@ -142,13 +147,24 @@ def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve()) 
         curve = () if measured is None else rows_curve
         log.info("prefill chunk: %d rows beside %d decode rows (%s)", prefill_chunk, args.max_batch,
                  "measured; sized per forward against its decode rows" if measured else "nothing measured")
+        if args.prefill_itl_factor > 0 and measured is not None:
+            log.info("prefill chunk bounded per forward: decode steps at most %.2fx their cost alone (%d rows "
+                     "beside %d one-row steps)", args.prefill_itl_factor,
+                     prefill_chunk_within(rows_curve, args.max_batch, 1, args.prefill_itl_factor,
+                                          args.max_batch_tokens), args.max_batch)
     else:
         prefill_chunk = int(chunk) if chunk.isdigit() else -1
         if prefill_chunk < 0:
             raise SystemExit(f"--prefill-chunk must be a number of rows (0: off) or auto, got {chunk!r}")
+    if args.prefill_itl_factor < 0 or (args.prefill_itl_factor > 0 and chunk != "auto"):
+        raise SystemExit("--prefill-itl-factor must be >= 0, and needs --prefill-chunk auto (a measured cost curve)")
+    if args.prefill_itl_factor > 0 and not curve:
+        log.warning("--prefill-itl-factor %.2f has no effect: no forward of 16 rows or more was measured",
+                    args.prefill_itl_factor)
     return BatchLimits(max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
                        window_ms=args.batch_window_ms, max_queue=args.max_queue, prefill_chunk=prefill_chunk,
-                       shared_compute=args.shared_compute, prefill_curve=curve)
+                       shared_compute=args.shared_compute, prefill_curve=curve,
+                       prefill_itl_factor=args.prefill_itl_factor)
 
 
 def store_limits(args: argparse.Namespace) -> StoreLimits:

@@ -634,6 +634,41 @@ def test_the_prompt_budget_grows_with_the_decode_rows_beside_it(forward, decode_
         scheduler.close()
 
 
+def test_an_itl_bound_sizes_the_prompt_rows_against_one_step_alone() -> None:
+    from specdec.scheduler import prefill_chunk_within
+    # The CPU curve above: one 1-row step alone costs 1040 ms, so a forward may cost 2080 at factor 2.
+    cpu = [(r, 1000.0 + 40.0 * r) for r in (1, 9, 16, 32, 64)]
+    assert prefill_chunk_within(cpu, decode_rows=2, step_rows=1, factor=2.0, cap=256) == 24  # 26 rows: 2040 ms
+    assert prefill_chunk_within(cpu, decode_rows=2, step_rows=1, factor=3.0, cap=256) == 48  # 50 rows: 3000 ms
+    # Two 9-row verifies: 1360 ms alone, so 2720: 18 + 24 rows cost 2680, 18 + 32 cost 3000.
+    assert prefill_chunk_within(cpu, decode_rows=18, step_rows=9, factor=2.0, cap=256) == 24
+    # Eight 1-row steps already cost 1320 ms; 16 prompt rows (1960) fit, 24 (2280) do not.
+    assert prefill_chunk_within(cpu, decode_rows=8, step_rows=1, factor=2.0, cap=256) == 16
+    # The decode rows alone break the bound: the floor, so that prompts still move.
+    assert prefill_chunk_within(cpu, decode_rows=40, step_rows=1, factor=2.0, cap=256) == 16
+    # A flat (GPU-like) curve: up to the forward's row cap.
+    gpu = [(1, 10.0), (9, 10.5), (16, 11.0), (32, 11.5), (64, 12.0)]
+    assert prefill_chunk_within(gpu, decode_rows=8, step_rows=1, factor=2.0, cap=256) == 248
+
+
+def test_with_an_itl_bound_the_rest_of_a_chunked_prompt_counts_too(forward) -> None:
+    """Without the bound a prompt's rest of up to 33 rows runs as a decode step, whole; with it the
+    rest is held to the budget as well, so no forward beside the decode steps costs more than twice
+    one step alone (2080 ms on this curve: 26 rows)."""
+    cpu = tuple((r, 1000.0 + 40.0 * r) for r in (1, 9, 16, 32, 64))
+    scheduler = make_scheduler(forward, max_batch=3, prefill_chunk=16, prefill_curve=cpu, prefill_itl_factor=2.0)
+    try:
+        first, _ = submit_held(scheduler, forward, "a", call("a", steps=4))
+        second, _ = scheduler.submit("b", call("b", steps=4))
+        prompt, _ = scheduler.submit("p", prompt_call("p", 50))
+        forward.gate.set()
+        first.result(WAIT_S), second.result(WAIT_S), prompt.result(WAIT_S)
+        # 50 rows: 24 now, then 24 of the 26-row rest (2 are logits rows), then the last 2.
+        assert [sorted(rows) for rows in forward.rows[:4]] == [[1], [1, 1, 24], [1, 1, 24], [1, 1, 2]], forward.rows
+    finally:
+        scheduler.close()
+
+
 def test_prefill_chunk_flag() -> None:
     import argparse
 
@@ -652,6 +687,12 @@ def test_prefill_chunk_flag() -> None:
     assert batch_limits(parser.parse_args(["--prefill-chunk", "48"]), measured).prefill_curve == ()  # fixed
     with pytest.raises(SystemExit):
         batch_limits(parser.parse_args(["--prefill-chunk", "lots"]))
+    assert batch_limits(auto, measured).prefill_itl_factor == 0.0  # off unless asked for
+    assert batch_limits(parser.parse_args(["--prefill-itl-factor", "2"]), measured).prefill_itl_factor == 2.0
+    with pytest.raises(SystemExit):  # a bound needs the measured curve
+        batch_limits(parser.parse_args(["--prefill-chunk", "48", "--prefill-itl-factor", "2"]), measured)
+    with pytest.raises(SystemExit):
+        batch_limits(parser.parse_args(["--prefill-itl-factor", "-1"]), measured)
 
 
 def test_shared_compute_flag_and_the_local_services_default() -> None:
