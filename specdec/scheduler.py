@@ -298,7 +298,9 @@ class BatchScheduler:
 
     def _due(self) -> tuple[int, float]:
         """How many sessions are due back, and when the first of them turns overdue (lock held)."""
-        if len(self._waiting) + len(self._active) >= self.limits.max_batch:
+        # A full batch cannot take a session that comes back: no point waiting. An EndSession runs no
+        # forward and takes no slot for long, so it does not count (a stream's request ends beside others).
+        if sum(not j.ends_session for j in (*self._waiting, *self._active)) >= self.limits.max_batch:
             return 0, float("inf")
         now, window = self._clock(), self._window_s()
         # Overdue past twice its gap and the window; with a forward-long window (shared compute), past

@@ -432,6 +432,27 @@ def test_a_new_sessions_second_call_joins_the_forward_of_the_others() -> None:
     assert with_fresh[1] == with_fresh[0] + 1, batches  # the very next forward, not one later
 
 
+def test_an_end_session_waiting_does_not_count_as_a_full_batch() -> None:
+    """At max_batch calls present nobody is waited for (a returning session could not join); an
+    EndSession runs no forward, so a stream whose request just ended does not make the batch look
+    full and let the next forward start without a session that is due back."""
+    from specdec.scheduler import _Job
+    now = [100.0]
+    scheduler = BatchScheduler(lambda steps: [0] * len(steps), BatchLimits(max_batch=2, window_ms=5.0),
+                               clock=lambda: now[0])
+    try:
+        with scheduler._cond:
+            scheduler._returns["due"] = (100.0, 0.003)
+            scheduler._waiting.append(_Job("decoding", call("decoding"), None, 100.0))
+            scheduler._waiting.append(_Job("finished", call("finished"), None, 100.0, ends_session=True))
+            assert scheduler._due_calls() == 1
+            scheduler._waiting.append(_Job("other", call("other"), None, 100.0))  # now really full
+            assert scheduler._due_calls() == 0
+            scheduler._waiting.clear()
+    finally:
+        scheduler.close()
+
+
 def test_a_session_that_ended_is_not_waited_for(forward) -> None:
     scheduler = make_scheduler(forward, window_ms=50.0, shared_compute=True)
     try:
