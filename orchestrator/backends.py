@@ -56,6 +56,7 @@ class VerifyReply:
     batch_rows: float = 0.0
     worker_waiting: int = 0
     batch_prompt_rows: float = 0.0  # of batch_rows, prompts' rows (prefills sharing the forward)
+    queue_ms: float = 0.0  # the call's wait in the worker before its first forward (WorkerTiming)
 
 
 @dataclass

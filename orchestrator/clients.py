@@ -141,4 +141,4 @@ class GrpcTargetBackend(_WorkerClient):
                            wall_ms=(time.perf_counter() - start) * 1000.0,
                            batch_sessions=reply.timing.batch_sessions or 1.0, batch_rows=reply.timing.batch_rows,
                            worker_waiting=reply.timing.worker_waiting,
-                           batch_prompt_rows=reply.timing.batch_prompt_rows)
+                           batch_prompt_rows=reply.timing.batch_prompt_rows, queue_ms=reply.timing.queue_ms)

@@ -51,6 +51,7 @@ class RoundRecord:
     target_rows: float = 0.0
     target_waiting: int = 0
     target_prompt_rows: float = 0.0  # of target_rows, prompts' rows (other sessions' prefills, or its own)
+    target_queue_ms: float = 0.0  # the verify's wait in the target's scheduler (the rest of wall - compute: RPC)
     # The pair guard's epoch this round ran in: "spec", "off" (k forced to 0), or "" (not guarded).
     guard: str = ""
 

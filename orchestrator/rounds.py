@@ -267,7 +267,7 @@ class Round:
             predraft_hit=hit, predraft_saved_ms=saved_ms, predraft_branch_hit=branch_hit,
             draft_wall_ms=reply.wall_ms if reply else 0.0,
             target_batch=verify.batch_sessions, target_rows=verify.batch_rows, target_waiting=verify.worker_waiting,
-            target_prompt_rows=verify.batch_prompt_rows)
+            target_prompt_rows=verify.batch_prompt_rows, target_queue_ms=verify.queue_ms)
 
     # ------------------------------------------------------------------ pipelining
     def _start_predraft(self, assumed: list[int], k: int) -> None:

@@ -52,6 +52,9 @@ class RoundTrace:
     predraft_saved_ms: float = 0.0
     draft_wall_ms: float = 0.0
     verify_wall_ms: float = 0.0
+    # The verify's wait in the target's scheduler before its first forward (0 in older traces): of
+    # verify_wall_ms - verify_ms, what the worker queued; the rest is the RPC's.
+    target_queue_ms: float = 0.0
 
     @property
     def steady(self) -> bool:
@@ -93,7 +96,7 @@ class TraceWriter:
             guard=record.guard, emitted=len(record.emitted),
             predraft={True: "hit", False: "miss"}.get(record.predraft_hit, ""),
             predraft_saved_ms=round(record.predraft_saved_ms, 3), draft_wall_ms=round(record.draft_wall_ms, 3),
-            verify_wall_ms=round(record.verify_wall_ms, 3)))
+            verify_wall_ms=round(record.verify_wall_ms, 3), target_queue_ms=round(record.target_queue_ms, 3)))
 
     def write(self, trace: RoundTrace) -> None:
         line = json.dumps(asdict(trace), separators=(",", ":"))

@@ -100,6 +100,8 @@ async def test_tune_on_recorded_traces_writes_a_config_the_orchestrator_accepts(
     traces = load_traces(trace_file)
     assert len(traces) >= 10 and all(t.k <= 6 for t in traces)
     assert sum(t.tokens for t in traces) == 3 * 40  # what each round emitted, the budget's last cut included
+    # The target's queueing is part of the verify's wall time (the worker's WorkerTiming.queue_ms).
+    assert all(0.0 <= t.target_queue_ms <= t.verify_wall_ms for t in traces)
     packed = tmp_path / "traces.jsonl.gz"
     packed.write_bytes(gzip.compress(trace_file.read_bytes()))
     assert load_traces(packed) == traces
