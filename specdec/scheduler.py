@@ -208,7 +208,8 @@ class BatchScheduler:
                timeout_s: float | None = None, ends_session: bool = False) -> tuple[Future, CallLoad]:
         """Queue a call; make_steps() is called on the model thread when the call is admitted. The
         CallLoad fills in as the call runs (read it once the future is done). ends_session: the
-        session will not come back (EndSession), so no forward waits for it."""
+        session will not come back (EndSession), so no forward waits for it, and the call (which runs
+        no forward) takes no batch slot."""
         now = self._clock()
         with self._cond:
             if self._closed:
@@ -337,7 +338,10 @@ class BatchScheduler:
             job = self._waiting.popleft()
             if job.future.cancelled() or (job.deadline is not None and now >= job.deadline):
                 admitted.append(job)  # _start drops it (cancelled) or fails it (deadline); frees its queue place
-            elif len(self._active) < self.limits.max_batch and job.session_id not in busy:
+            # An EndSession runs no forward and leaves at once: it never takes a session's slot (it
+            # did, and a stream whose request ended pushed a decoding session out of the next forward).
+            elif (job.ends_session or sum(not j.ends_session for j in self._active) < self.limits.max_batch) \
+                    and job.session_id not in busy:
                 self._active.append(job)
                 admitted.append(job)
                 busy.add(job.session_id)

@@ -453,6 +453,21 @@ def test_an_end_session_waiting_does_not_count_as_a_full_batch() -> None:
         scheduler.close()
 
 
+def test_an_end_session_takes_no_slot_from_a_decoding_session(forward) -> None:
+    """A stream's request ends (EndSession) while another session's next step arrives: the
+    EndSession runs no forward, so it must not take the last slot and push that step a forward later."""
+    scheduler = make_scheduler(forward, max_batch=2)
+    try:
+        first, _ = submit_held(scheduler, forward, "a", call("a", steps=3))
+        ended, _ = scheduler.submit("c", call("c", steps=0), ends_session=True)
+        decoding, _ = scheduler.submit("d", call("d"))
+        forward.gate.set()
+        first.result(WAIT_S), ended.result(WAIT_S), decoding.result(WAIT_S)
+        assert sorted(forward.batches[1]) == ["a", "d"], forward.batches
+    finally:
+        scheduler.close()
+
+
 def test_a_session_that_ended_is_not_waited_for(forward) -> None:
     scheduler = make_scheduler(forward, window_ms=50.0, shared_compute=True)
     try:
