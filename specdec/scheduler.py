@@ -346,12 +346,14 @@ class BatchScheduler:
                 admitted.append(job)
                 busy.add(job.session_id)
                 ended = self._returns.get(job.session_id)
-                if ended is not None:  # learn how soon this session comes back after a call
+                if ended is not None and not job.ends_session:  # learn how soon this session comes back
                     gap = max(0.0, job.submitted - ended[0])
-                    self._recent_gaps.append(gap)
+                    if gap > 0:  # (0: it was queued behind its own previous call, not a return)
+                        self._recent_gaps.append(gap)
                     self._returns[job.session_id] = (ended[0], gap if ended[1] <= 0 else 0.7 * ended[1] + 0.3 * gap)
             else:
                 kept.append(job)
+                busy.add(job.session_id)  # its session's later calls (an EndSession too) wait behind it
         self._waiting = kept
         return admitted
 
@@ -420,8 +422,9 @@ class BatchScheduler:
             if chunking and (size > DECODE_STEP_ROWS or (itl_bound and job.chunked)):
                 if prefill_left is None and itl_bound:  # against every decode step of the forward
                     steps_rows = [len(j.pending.tokens) for j in decoding if not j.chunked]
-                    prefill_left = prefill_chunk_within(
-                        self.limits.prefill_curve, sum(steps_rows), -(-sum(steps_rows) // max(1, len(steps_rows))),
+                    # Only prompts and their rests ready: no decode step to protect, they run whole.
+                    prefill_left = self.limits.max_batch_tokens if not steps_rows else prefill_chunk_within(
+                        self.limits.prefill_curve, sum(steps_rows), -(-sum(steps_rows) // len(steps_rows)),
                         self.limits.prefill_itl_factor, self.limits.max_batch_tokens)
                 elif prefill_left is None:
                     prefill_left = self._prompt_budget(decode_rows)

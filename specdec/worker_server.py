@@ -122,8 +122,9 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
                              "from this worker's startup measurement (64 where nothing was measured)")
     parser.add_argument("--prefill-itl-factor", type=float, default=0.0,
                         help="with --prefill-chunk auto: size each forward's prompt rows so that every decode step "
-                             "in it costs at most this many times what it costs alone (2: inter-token latency "
-                             "under load at most about twice one stream's), at least 16 rows; first tokens then "
+                             "in it costs at most this many times what it costs alone (2 aims at inter-token latency "
+                             "under load about twice one stream's; where the decode rows alone break it, 16 rows), "
+                             "at least 16 rows; first tokens then "
                              "come later, as prompts take more forwards. 0 (default): the budget of --prefill-chunk")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="calls waiting for a batch slot; more are refused with RESOURCE_EXHAUSTED")

@@ -403,10 +403,11 @@ def test_a_new_sessions_second_call_joins_the_forward_of_the_others() -> None:
     batches: list[list[str]] = []
 
     def forward(steps):
-        _time.sleep(0.2)
+        _time.sleep(0.5)
         batches.append(sorted(s.session for s in steps))
         return [0] * len(steps)
-    scheduler = BatchScheduler(forward, BatchLimits(window_ms=20.0))
+    # A window of 50 ms (a tenth of these forwards): "fresh" back at 12 ms is well inside it.
+    scheduler = BatchScheduler(forward, BatchLimits(window_ms=50.0))
     stop = threading.Event()
 
     def loop(session: str) -> None:
@@ -464,6 +465,46 @@ def test_an_end_session_takes_no_slot_from_a_decoding_session(forward) -> None:
         forward.gate.set()
         first.result(WAIT_S), ended.result(WAIT_S), decoding.result(WAIT_S)
         assert sorted(forward.batches[1]) == ["a", "d"], forward.batches
+    finally:
+        scheduler.close()
+
+
+def test_an_end_session_never_overtakes_its_own_sessions_earlier_call(forward) -> None:
+    """A full batch keeps a session's call waiting; that session's EndSession, queued behind it,
+    takes no slot but must still wait for it (one call per session, in arrival order)."""
+    events: list = []
+
+    def end_session():
+        events.append(("end", "s"))
+        return
+        yield  # a generator that runs no forward
+    scheduler = make_scheduler(forward, max_batch=1)
+    try:
+        busy, _ = submit_held(scheduler, forward, "x", call("x", steps=2))
+        first, _ = scheduler.submit("s", call("s", log=events))
+        ended, _ = scheduler.submit("s", end_session, ends_session=True)
+        forward.gate.set()
+        busy.result(WAIT_S), first.result(WAIT_S), ended.result(WAIT_S)
+        assert events == [("start", "s"), ("cleanup", "s"), ("end", "s")], events
+    finally:
+        scheduler.close()
+
+
+def test_the_typical_gap_learns_from_returns_only() -> None:
+    """An EndSession is not a return, nor is a call queued behind its own session's previous one
+    (a gap of 0): neither moves the gap a new session is expected after."""
+    from specdec.scheduler import _Job
+    now = [100.0]
+    scheduler = BatchScheduler(lambda steps: [0] * len(steps), BatchLimits(window_ms=5.0), clock=lambda: now[0])
+    try:
+        with scheduler._cond:
+            scheduler._returns.update({"ending": (99.0, 0.003), "queued": (100.0, 0.003), "back": (99.99, 0.003)})
+            scheduler._waiting.extend([_Job("ending", call("ending"), None, 100.0, ends_session=True),
+                                       _Job("queued", call("queued"), None, 99.5),   # before its last call ended
+                                       _Job("back", call("back"), None, 100.0)])
+            assert len(scheduler._admit()) == 3
+            assert list(scheduler._recent_gaps) == [pytest.approx(0.01)]
+            scheduler._active.clear()
     finally:
         scheduler.close()
 
@@ -701,6 +742,24 @@ def test_with_an_itl_bound_the_rest_of_a_chunked_prompt_counts_too(forward) -> N
         first.result(WAIT_S), second.result(WAIT_S), prompt.result(WAIT_S)
         # 50 rows: 24 now, then 24 of the 26-row rest (2 are logits rows), then the last 2.
         assert [sorted(rows) for rows in forward.rows[:4]] == [[1], [1, 1, 24], [1, 1, 24], [1, 1, 2]], forward.rows
+    finally:
+        scheduler.close()
+
+
+def test_with_an_itl_bound_prompts_with_no_decode_step_beside_them_run_whole(forward) -> None:
+    """The bound protects decode steps; where only prompts (and a chunked prompt's rest) are ready
+    there is none, and they run whole, as without the bound."""
+    cpu = tuple((r, 1000.0 + 40.0 * r) for r in (1, 9, 16, 32, 64))
+    scheduler = make_scheduler(forward, max_batch=3, prefill_chunk=16, prefill_curve=cpu, prefill_itl_factor=2.0)
+    try:
+        decode, _ = submit_held(scheduler, forward, "a", call("a", steps=2))
+        first, _ = scheduler.submit("p", prompt_call("p", 50))
+        second, _ = scheduler.submit("q", prompt_call("q", 60))
+        forward.gate.set()
+        decode.result(WAIT_S), first.result(WAIT_S), second.result(WAIT_S)
+        # Beside a's last step: p's first 24 rows (q waits: the budget is spent); then p's 26-row
+        # rest and q whole, with nobody decoding.
+        assert [sorted(rows) for rows in forward.rows[:3]] == [[1], [1, 24], [26, 60]], forward.rows
     finally:
         scheduler.close()
 
