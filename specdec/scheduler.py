@@ -26,7 +26,8 @@ Rules:
   stops without spending a forward, and its generator is closed so its cleanup runs.
 - A short window (`window_ms`) lets calls that are due (sessions that just finished a call and
   usually come back about now; a new session as the others usually do) join the next forward, so
-  that streams in step share forwards instead of alternating. It is never waited when nobody is expected, so a single stream pays nothing.
+  that streams in step share forwards instead of alternating. It is never waited when nobody is
+  expected, so a single stream pays nothing.
 - Shared compute (`shared_compute`: the draft and the target on the same cores): the window is a
   whole forward's time. While this worker waits, the other one computes on the same cores, so the
   wait costs little, and a forward that takes the sessions still drafting along saves one forward's
@@ -45,7 +46,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,6 +125,11 @@ def prefill_chunk_within(curve: Sequence[tuple[int, float]], decode_rows: int, s
            and (curves.extended(points, decode_rows + chunk + 8) or float("inf")) <= limit):
         chunk += 8
     return chunk
+
+
+def _slots_taken(jobs: Iterable[_Job]) -> int:
+    """Batch slots these calls hold: an EndSession runs no forward and holds none."""
+    return sum(not job.ends_session for job in jobs)
 
 
 @dataclass
@@ -301,7 +307,7 @@ class BatchScheduler:
         """How many sessions are due back, and when the first of them turns overdue (lock held)."""
         # A full batch cannot take a session that comes back: no point waiting. An EndSession runs no
         # forward and takes no slot for long, so it does not count (a stream's request ends beside others).
-        if sum(not j.ends_session for j in (*self._waiting, *self._active)) >= self.limits.max_batch:
+        if _slots_taken(self._waiting) + _slots_taken(self._active) >= self.limits.max_batch:
             return 0, float("inf")
         now, window = self._clock(), self._window_s()
         # Overdue past twice its gap and the window; with a forward-long window (shared compute), past
@@ -334,14 +340,15 @@ class BatchScheduler:
         busy = {j.session_id for j in self._active}
         kept: collections.deque[_Job] = collections.deque()
         now = self._clock()
+        taken = _slots_taken(self._active)
         while self._waiting:
             job = self._waiting.popleft()
             if job.future.cancelled() or (job.deadline is not None and now >= job.deadline):
                 admitted.append(job)  # _start drops it (cancelled) or fails it (deadline); frees its queue place
             # An EndSession runs no forward and leaves at once: it never takes a session's slot (it
             # did, and a stream whose request ended pushed a decoding session out of the next forward).
-            elif (job.ends_session or sum(not j.ends_session for j in self._active) < self.limits.max_batch) \
-                    and job.session_id not in busy:
+            elif (job.ends_session or taken < self.limits.max_batch) and job.session_id not in busy:
+                taken += 0 if job.ends_session else 1
                 self._active.append(job)
                 admitted.append(job)
                 busy.add(job.session_id)
@@ -420,14 +427,8 @@ class BatchScheduler:
             size = len(step.tokens)
             prompt = size > DECODE_STEP_ROWS or job.chunked  # (a short rest of a prompt runs as a decode step)
             if chunking and (size > DECODE_STEP_ROWS or (itl_bound and job.chunked)):
-                if prefill_left is None and itl_bound:  # against every decode step of the forward
-                    steps_rows = [len(j.pending.tokens) for j in decoding if not j.chunked]
-                    # Only prompts and their rests ready: no decode step to protect, they run whole.
-                    prefill_left = self.limits.max_batch_tokens if not steps_rows else prefill_chunk_within(
-                        self.limits.prefill_curve, sum(steps_rows), -(-sum(steps_rows) // len(steps_rows)),
-                        self.limits.prefill_itl_factor, self.limits.max_batch_tokens)
-                elif prefill_left is None:
-                    prefill_left = self._prompt_budget(decode_rows)
+                if prefill_left is None:
+                    prefill_left = self._prompt_budget(decode_rows, decoding, itl_bound)
                 take = min(prefill_left, self.limits.max_batch_tokens - rows)
                 parts = step.split(take) if 0 < take < size and hasattr(step, "split") else None
                 if parts is not None:
@@ -444,9 +445,17 @@ class BatchScheduler:
             decode_rows += 0 if prompt else size
         return batch
 
-    def _prompt_budget(self, decode_rows: int) -> int:
+    def _prompt_budget(self, decode_rows: int, decoding: list[_Job], itl_bound: bool) -> int:
         """Prompt rows for a forward beside `decode_rows` decode rows (see prefill_curve); never less
-        than beside max_batch rows, the startup budget, so that a light load keeps its prompt speed."""
+        than beside max_batch rows, the startup budget, so that a light load keeps its prompt speed.
+        With an ITL bound, sized against every decode step ready (`decoding`, less prompt rests)."""
+        if itl_bound:
+            steps_rows = [len(j.pending.tokens) for j in decoding if not j.chunked]
+            if not steps_rows:  # only prompts and their rests ready: no decode step to protect, run whole
+                return self.limits.max_batch_tokens
+            return prefill_chunk_within(self.limits.prefill_curve, sum(steps_rows),
+                                        -(-sum(steps_rows) // len(steps_rows)), self.limits.prefill_itl_factor,
+                                        self.limits.max_batch_tokens)
         if not self.limits.prefill_curve or decode_rows <= self.limits.max_batch:
             return self.limits.prefill_chunk
         sized = prefill_chunk_for(self.limits.prefill_curve, decode_rows, self.limits.max_batch_tokens)

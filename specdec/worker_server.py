@@ -123,9 +123,9 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--prefill-itl-factor", type=float, default=0.0,
                         help="with --prefill-chunk auto: size each forward's prompt rows so that every decode step "
                              "in it costs at most this many times what it costs alone (2 aims at inter-token latency "
-                             "under load about twice one stream's; where the decode rows alone break it, 16 rows), "
-                             "at least 16 rows; first tokens then "
-                             "come later, as prompts take more forwards. 0 (default): the budget of --prefill-chunk")
+                             "under load about twice one stream's), at least 16 rows (also where the decode rows "
+                             "alone break the bound); first tokens then come later, as prompts take more forwards. "
+                             "0 (default): the budget of --prefill-chunk")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="calls waiting for a batch slot; more are refused with RESOURCE_EXHAUSTED")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
