@@ -111,18 +111,26 @@ def prefill_chunk_for(curve: Sequence[tuple[int, float]], decode_rows: int, cap:
     return chunk
 
 
-def prefill_chunk_within(curve: Sequence[tuple[int, float]], decode_rows: int, step_rows: int, factor: float,
-                         cap: int) -> int:
-    """Prompt rows for a forward beside `decode_rows` decode rows in steps of `step_rows` each, such that
-    the forward costs at most `factor` times one step's forward alone: what a stream pays per step
-    when it runs by itself. Multiples of 8 from 16; 16 where even that breaks the bound (the decode
-    rows alone do, or a forward of 16 more rows does), so that prompts always make progress. A bound
-    on inter-token latency under load, paid for in first-token latency: a prompt takes more forwards."""
+def itl_limit_ms(curve: Sequence[tuple[int, float]], step_rows: int, factor: float,
+                 gap_ms_per_step: float = 0.0) -> float:
+    """What a forward beside a decode step of `step_rows` rows may cost under an inter-token latency
+    bound of `factor`: the stream's cycle alone is its forward plus its gap between calls (the other
+    worker's time, the RPCs), and with prompt rows beside it that cycle may grow to `factor` times, so
+    the forward may cost factor x its cost alone plus (factor - 1) x the gap, spread over the call's
+    steps. A target-only session's gap is a few ms; a speculating one's includes its drafting."""
+    return factor * (curves.extended(sorted(curve), step_rows) or 0.0) + (factor - 1.0) * max(0.0, gap_ms_per_step)
+
+
+def prefill_chunk_within(curve: Sequence[tuple[int, float]], decode_rows: int, limit_ms: float, cap: int) -> int:
+    """Prompt rows for a forward beside `decode_rows` decode rows such that the forward costs at most
+    `limit_ms` (`itl_limit_ms`). Multiples of 8 from 16; 16 where even that breaks the bound (the
+    decode rows alone do, or a forward of 16 more rows does), so that prompts always make progress.
+    A bound on inter-token latency under load, paid for in first-token latency: a prompt takes more
+    forwards."""
     points = sorted(curve)
-    limit = factor * (curves.extended(points, step_rows) or 0.0)
     chunk = MIN_PROMPT_CHUNK
     while (decode_rows + chunk + 8 <= cap
-           and (curves.extended(points, decode_rows + chunk + 8) or float("inf")) <= limit):
+           and (curves.extended(points, decode_rows + chunk + 8) or float("inf")) <= limit_ms):
         chunk += 8
     return chunk
 
@@ -195,6 +203,7 @@ class BatchScheduler:
         # Sessions whose last call ended recently -> (end time, EWMA of their gap until the next call).
         self._returns: dict[str, tuple[float, float]] = {}
         self._recent_gaps: collections.deque[float] = collections.deque(maxlen=64)  # any session's
+        self._steps_per_call: dict[str, int] = {}  # forwards each session's last call took part in (ITL bound)
         self._busy: collections.deque[tuple[float, float]] = collections.deque()
         self._util_window_s = utilisation_window_s
         self._started = clock()
@@ -450,16 +459,27 @@ class BatchScheduler:
         than beside max_batch rows, the startup budget, so that a light load keeps its prompt speed.
         With an ITL bound, sized against every decode step ready (`decoding`, less prompt rests)."""
         if itl_bound:
-            steps_rows = [len(j.pending.tokens) for j in decoding if not j.chunked]
-            if not steps_rows:  # only prompts and their rests ready: no decode step to protect, run whole
+            steps = [j for j in decoding if not j.chunked]
+            if not steps:  # only prompts and their rests ready: no decode step to protect, run whole
                 return self.limits.max_batch_tokens
-            return prefill_chunk_within(self.limits.prefill_curve, sum(steps_rows),
-                                        -(-sum(steps_rows) // len(steps_rows)), self.limits.prefill_itl_factor,
-                                        self.limits.max_batch_tokens)
+            limit = min(self._itl_limit_ms(j) for j in steps)  # the tightest session's bound holds the forward
+            return prefill_chunk_within(self.limits.prefill_curve, sum(len(j.pending.tokens) for j in steps),
+                                        limit, self.limits.max_batch_tokens)
         if not self.limits.prefill_curve or decode_rows <= self.limits.max_batch:
             return self.limits.prefill_chunk
         sized = prefill_chunk_for(self.limits.prefill_curve, decode_rows, self.limits.max_batch_tokens)
         return self.limits.prefill_chunk if sized is None else max(self.limits.prefill_chunk, sized)
+
+    def _itl_limit_ms(self, job: _Job) -> float:
+        """What a forward beside `job`'s decode step may cost under the ITL bound (`itl_limit_ms`).
+        Its gap is the session's usual one between calls, at most the typical gap of all sessions
+        (a chat session's pause between turns is no gap its tokens pay), per step of its last call
+        (a draft's call runs several steps, each of which the prompt rows slow)."""
+        returned = self._returns.get(job.session_id)
+        gap_s = min(returned[1], self._typical_gap()) if returned else 0.0
+        steps = max(1, self._steps_per_call.get(job.session_id, 1))
+        return itl_limit_ms(self.limits.prefill_curve, len(job.pending.tokens), self.limits.prefill_itl_factor,
+                            1000.0 * gap_s / steps)
 
     def _step(self, batch: list[tuple[_Job, Any, bool]]) -> None:
         steps = [step for _, step, _ in batch]
@@ -523,10 +543,15 @@ class BatchScheduler:
                     del self._returns[key]
             else:
                 self._returns[job.session_id] = (now, previous[1] if previous else 0.0)
+                if job.load.forwards:
+                    self._steps_per_call[job.session_id] = job.load.forwards
             if len(self._returns) > 4 * (self.limits.max_batch + self.limits.max_queue):
                 for sid, (ended, gap) in list(self._returns.items()):  # bounded: forget quiet sessions
                     if now - ended > max(10 * gap, 2.0):
                         del self._returns[sid]
+            if len(self._steps_per_call) > len(self._returns) + len(self._active):
+                for sid in [sid for sid in self._steps_per_call if sid not in self._returns]:
+                    del self._steps_per_call[sid]
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ load

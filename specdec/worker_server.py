@@ -14,7 +14,7 @@ from specdec import grpc_util
 from specdec.errors import DeadlineExceeded
 from specdec.v1 import common_pb2
 from specdec.contract import MAX_BRANCH_SLOTS, CallStats, CostCurve, validate_session_id
-from specdec.scheduler import BatchLimits, BatchScheduler, prefill_chunk_for, prefill_chunk_within
+from specdec.scheduler import BatchLimits, BatchScheduler, itl_limit_ms, prefill_chunk_for, prefill_chunk_within
 from specdec.worker_core import ForwardStep, StoreLimits, WorkerCore
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve()) 
         if args.prefill_itl_factor > 0 and measured is not None:
             log.info("prefill chunk bounded per forward: decode steps at most %.2fx their cost alone (%d rows "
                      "beside %d one-row steps)", args.prefill_itl_factor,
-                     prefill_chunk_within(rows_curve, args.max_batch, 1, args.prefill_itl_factor,
+                     prefill_chunk_within(rows_curve, args.max_batch, itl_limit_ms(rows_curve, 1, args.prefill_itl_factor),
                                           args.max_batch_tokens), args.max_batch)
     else:
         prefill_chunk = int(chunk) if chunk.isdigit() else -1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -712,20 +713,34 @@ def test_the_prompt_budget_grows_with_the_decode_rows_beside_it(forward, decode_
 
 
 def test_an_itl_bound_sizes_the_prompt_rows_against_one_step_alone() -> None:
-    from specdec.scheduler import prefill_chunk_within
+    from specdec.scheduler import itl_limit_ms, prefill_chunk_within
     # The CPU curve above: one 1-row step alone costs 1040 ms, so a forward may cost 2080 at factor 2.
     cpu = [(r, 1000.0 + 40.0 * r) for r in (1, 9, 16, 32, 64)]
-    assert prefill_chunk_within(cpu, decode_rows=2, step_rows=1, factor=2.0, cap=256) == 24  # 26 rows: 2040 ms
-    assert prefill_chunk_within(cpu, decode_rows=2, step_rows=1, factor=3.0, cap=256) == 48  # 50 rows: 3000 ms
+    assert itl_limit_ms(cpu, 1, 2.0) == 2080.0
+    assert prefill_chunk_within(cpu, 2, itl_limit_ms(cpu, 1, 2.0), cap=256) == 24  # 26 rows: 2040 ms
+    assert prefill_chunk_within(cpu, 2, itl_limit_ms(cpu, 1, 3.0), cap=256) == 48  # 50 rows: 3000 ms
     # Two 9-row verifies: 1360 ms alone, so 2720: 18 + 24 rows cost 2680, 18 + 32 cost 3000.
-    assert prefill_chunk_within(cpu, decode_rows=18, step_rows=9, factor=2.0, cap=256) == 24
+    assert prefill_chunk_within(cpu, 18, itl_limit_ms(cpu, 9, 2.0), cap=256) == 24
     # Eight 1-row steps already cost 1320 ms; 16 prompt rows (1960) fit, 24 (2280) do not.
-    assert prefill_chunk_within(cpu, decode_rows=8, step_rows=1, factor=2.0, cap=256) == 16
+    assert prefill_chunk_within(cpu, 8, itl_limit_ms(cpu, 1, 2.0), cap=256) == 16
     # The decode rows alone break the bound: the floor, so that prompts still move.
-    assert prefill_chunk_within(cpu, decode_rows=40, step_rows=1, factor=2.0, cap=256) == 16
+    assert prefill_chunk_within(cpu, 40, itl_limit_ms(cpu, 1, 2.0), cap=256) == 16
     # A flat (GPU-like) curve: up to the forward's row cap.
     gpu = [(1, 10.0), (9, 10.5), (16, 11.0), (32, 11.5), (64, 12.0)]
-    assert prefill_chunk_within(gpu, decode_rows=8, step_rows=1, factor=2.0, cap=256) == 248
+    assert prefill_chunk_within(gpu, 8, itl_limit_ms(gpu, 1, 2.0), cap=256) == 248
+
+
+def test_an_itl_bound_counts_the_streams_gap_between_calls() -> None:
+    """A stream's cycle alone is its forward and its gap between calls (a speculating session drafts
+    in it): at factor 2 the forward may also take the gap once more, per step of the call."""
+    from specdec.scheduler import itl_limit_ms, prefill_chunk_within
+    cpu = [(r, 1000.0 + 40.0 * r) for r in (1, 9, 16, 32, 64)]
+    assert itl_limit_ms(cpu, 9, 2.0, gap_ms_per_step=800.0) == 2720.0 + 800.0
+    assert itl_limit_ms(cpu, 9, 3.0, gap_ms_per_step=800.0) == 3 * 1360.0 + 2 * 800.0
+    assert itl_limit_ms(cpu, 9, 1.0, gap_ms_per_step=800.0) == 1360.0  # factor 1: no prompt row fits either way
+    # Two 9-row verifies with 800 ms of drafting between calls: 3520 ms, so 18 + 48 rows (3640) do not
+    # fit and 18 + 40 (3320) do, against 24 rows without the gap.
+    assert prefill_chunk_within(cpu, 18, itl_limit_ms(cpu, 9, 2.0, 800.0), cap=256) == 40
 
 
 def test_with_an_itl_bound_the_rest_of_a_chunked_prompt_counts_too(forward) -> None:
@@ -762,6 +777,36 @@ def test_with_an_itl_bound_prompts_with_no_decode_step_beside_them_run_whole(for
         assert [sorted(rows) for rows in forward.rows[:3]] == [[1], [1, 24], [26, 60]], forward.rows
     finally:
         scheduler.close()
+
+
+def test_with_an_itl_bound_a_speculating_sessions_gap_buys_prompt_rows(forward) -> None:
+    """The bound is on each stream's whole cycle: a session that usually spends 800 ms between its
+    calls (drafting) lets a prompt take more rows of the forward beside its verify than one that
+    comes straight back; the session's gap counts at most the typical gap of all sessions (a pause
+    between a chat's turns is no time its tokens wait), divided over its last call's steps."""
+    cpu = tuple((r, 1000.0 + 40.0 * r) for r in (1, 9, 16, 32, 64))
+
+    def first_prompt_chunk(gap_s: float, typical_s: float, steps_per_call: int = 1) -> int:
+        fwd = FakeForward()
+        scheduler = make_scheduler(fwd, max_batch=3, prefill_chunk=16, prefill_curve=cpu, prefill_itl_factor=2.0)
+        try:
+            scheduler._returns["a"] = (time.monotonic() - gap_s, gap_s)  # its call arrives `gap_s` after its last
+            scheduler._recent_gaps.extend([typical_s] * 3)
+            scheduler._steps_per_call["a"] = steps_per_call
+            verify, _ = submit_held(scheduler, fwd, "a", call("a", steps=2, tokens=9))
+            prompt, _ = scheduler.submit("p", prompt_call("p", 100))
+            fwd.gate.set()
+            verify.result(WAIT_S), prompt.result(WAIT_S)
+            assert sorted(fwd.rows[1])[0] == 9, fwd.rows
+            return max(fwd.rows[1])  # the prompt's rows beside the 9-row verify
+        finally:
+            scheduler.close()
+
+    # One 9-row verify alone: 1360 ms, so at factor 2 the forward may cost 2720 plus the gap.
+    assert first_prompt_chunk(gap_s=0.003, typical_s=0.003) == 32  # 9 + 32 rows: 2640 ms (9 + 40: 2960)
+    assert first_prompt_chunk(gap_s=0.8, typical_s=0.8) == 48       # 3520 ms: 9 + 48 rows 3280, 9 + 56 3600
+    assert first_prompt_chunk(gap_s=10.0, typical_s=0.8) == 48      # a long pause counts as the typical gap
+    assert first_prompt_chunk(gap_s=0.8, typical_s=0.8, steps_per_call=2) == 40  # 400 ms per step: 3120
 
 
 def test_prefill_chunk_flag() -> None:
