@@ -83,9 +83,10 @@ class BatchLimits:
     # (rows, ms) forward costs (`--prefill-chunk auto`): each forward's prompt budget is then sized
     # against the decode rows it actually runs (prefill_chunk_for), prefill_chunk where it cannot tell.
     prefill_curve: tuple[tuple[int, float], ...] = ()
-    # With a curve: > 0 sizes each forward's prompt budget so that its decode steps each cost at most
-    # this many times what one of them costs alone (an inter-token latency bound, prefill_chunk_within),
-    # and every prompt row counts, the short rests of chunked prompts too. 0: the budget above.
+    # With a curve: > 0 sizes each forward's prompt budget so that each decode step's stream cycles
+    # at most this many times as slowly as alone (its step and its gap between calls: an inter-token
+    # latency bound, itl_limit_ms), and every prompt row counts, the short rests of chunked prompts
+    # too. 0: the budget above.
     prefill_itl_factor: float = 0.0
 
     def validate(self) -> None:

@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # --prefill-chunk auto where the worker measured no forward of 16 rows or more (calibration skipped).
 AUTO_PREFILL_CHUNK_FALLBACK = 64
+# Each stream at most this many times as slow as alone while prompts share its forwards (the ITL bound,
+# --prefill-itl-factor): p99 inter-token latency under load about twice one stream's, for later first tokens.
+DEFAULT_PREFILL_ITL_FACTOR = 2.0
 
 
 def _without_forwards(fn: Callable[[], T]) -> Generator[ForwardStep, Any, T]:
@@ -120,12 +123,15 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
                              "the most rows that at most double a forward of --max-batch decode rows, or of the "
                              "decode rows beside them where there are more (speculating sessions' verifies), "
                              "from this worker's startup measurement (64 where nothing was measured)")
-    parser.add_argument("--prefill-itl-factor", type=float, default=0.0,
-                        help="with --prefill-chunk auto: size each forward's prompt rows so that every decode step "
-                             "in it costs at most this many times what it costs alone (2 aims at inter-token latency "
-                             "under load about twice one stream's), at least 16 rows (also where the decode rows "
-                             "alone break the bound); first tokens then come later, as prompts take more forwards. "
-                             "0 (default): the budget of --prefill-chunk")
+    parser.add_argument("--prefill-itl-factor", type=float, default=None,
+                        help="with --prefill-chunk auto: size each forward's prompt rows so that every stream with a "
+                             "decode step in it runs at most this many times as slowly as alone: its step's forward "
+                             "plus its usual gap between calls (a speculating stream drafts in that gap), so the "
+                             "forward may cost this factor times the step alone plus the gap once less (2 aims at "
+                             "inter-token latency under load about twice one stream's); at least 16 rows (also "
+                             "where the decode rows alone break the bound); first tokens then come later, as "
+                             f"prompts take more forwards. Default {DEFAULT_PREFILL_ITL_FACTOR:g} with --prefill-chunk "
+                             "auto (no effect where nothing was measured); 0: off, the budget of --prefill-chunk")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="calls waiting for a batch slot; more are refused with RESOURCE_EXHAUSTED")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
@@ -140,6 +146,8 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
 
 def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve()) -> BatchLimits:
     chunk = str(args.prefill_chunk)
+    itl_factor = (args.prefill_itl_factor if args.prefill_itl_factor is not None
+                  else DEFAULT_PREFILL_ITL_FACTOR if chunk == "auto" else 0.0)
     curve: tuple[tuple[int, float], ...] = ()  # sizes each forward's prompt budget (auto, measured)
     if chunk == "auto":
         rows_curve = cost_curve.rows_curve()
@@ -148,24 +156,25 @@ def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve()) 
         curve = () if measured is None else rows_curve
         log.info("prefill chunk: %d rows beside %d decode rows (%s)", prefill_chunk, args.max_batch,
                  "measured; sized per forward against its decode rows" if measured else "nothing measured")
-        if args.prefill_itl_factor > 0 and measured is not None:
-            log.info("prefill chunk bounded per forward: decode steps at most %.2fx their cost alone (%d rows "
-                     "beside %d one-row steps)", args.prefill_itl_factor,
-                     prefill_chunk_within(rows_curve, args.max_batch, itl_limit_ms(rows_curve, 1, args.prefill_itl_factor),
+        if itl_factor > 0 and measured is not None:
+            log.info("prefill chunk bounded per forward: streams at most %.2fx as slow as alone (%d rows beside "
+                     "%d one-row steps with no gap)", itl_factor,
+                     prefill_chunk_within(rows_curve, args.max_batch, itl_limit_ms(rows_curve, 1, itl_factor),
                                           args.max_batch_tokens), args.max_batch)
     else:
         prefill_chunk = int(chunk) if chunk.isdigit() else -1
         if prefill_chunk < 0:
             raise SystemExit(f"--prefill-chunk must be a number of rows (0: off) or auto, got {chunk!r}")
-    if args.prefill_itl_factor < 0 or (args.prefill_itl_factor > 0 and chunk != "auto"):
+    if (args.prefill_itl_factor is not None
+            and (args.prefill_itl_factor < 0 or (args.prefill_itl_factor > 0 and chunk != "auto"))):
         raise SystemExit("--prefill-itl-factor must be >= 0, and needs --prefill-chunk auto (a measured cost curve)")
-    if args.prefill_itl_factor > 0 and not curve:
+    if args.prefill_itl_factor is not None and args.prefill_itl_factor > 0 and not curve:
         log.warning("--prefill-itl-factor %.2f has no effect: no forward of 16 rows or more was measured",
                     args.prefill_itl_factor)
     return BatchLimits(max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
                        window_ms=args.batch_window_ms, max_queue=args.max_queue, prefill_chunk=prefill_chunk,
                        shared_compute=args.shared_compute, prefill_curve=curve,
-                       prefill_itl_factor=args.prefill_itl_factor)
+                       prefill_itl_factor=itl_factor)
 
 
 def store_limits(args: argparse.Namespace) -> StoreLimits:

@@ -827,8 +827,10 @@ def test_prefill_chunk_flag() -> None:
     assert batch_limits(parser.parse_args(["--prefill-chunk", "48"]), measured).prefill_curve == ()  # fixed
     with pytest.raises(SystemExit):
         batch_limits(parser.parse_args(["--prefill-chunk", "lots"]))
-    assert batch_limits(auto, measured).prefill_itl_factor == 0.0  # off unless asked for
-    assert batch_limits(parser.parse_args(["--prefill-itl-factor", "2"]), measured).prefill_itl_factor == 2.0
+    assert batch_limits(auto, measured).prefill_itl_factor == 2.0  # on by default with auto
+    assert batch_limits(parser.parse_args(["--prefill-itl-factor", "3"]), measured).prefill_itl_factor == 3.0
+    assert batch_limits(parser.parse_args(["--prefill-itl-factor", "0"]), measured).prefill_itl_factor == 0.0
+    assert batch_limits(parser.parse_args(["--prefill-chunk", "48"]), measured).prefill_itl_factor == 0.0  # fixed
     with pytest.raises(SystemExit):  # a bound needs the measured curve
         batch_limits(parser.parse_args(["--prefill-chunk", "48", "--prefill-itl-factor", "2"]), measured)
     with pytest.raises(SystemExit):
