@@ -19,6 +19,7 @@ def test_bench_smoke_report(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "report.json").read_text())
     md = (tmp_path / "report.md").read_text()
     assert [s["mode"] for s in report["summaries"]] == ["greedy", "sampled"]
+    assert {p.name for p in (tmp_path / "logs").glob("*.log")} == {"target.log", "draft.log", "orchestrator.log"}
     # Device- and dtype-true: the anchors run where and as the workers do, and the header says so.
     assert report["device"] == "cpu" and report["target_dtype"] == "torch.float32"
     assert "HF anchors on the same device in the same dtypes" in md and "Machine:" in md

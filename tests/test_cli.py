@@ -1,6 +1,7 @@
 """The CLI entry points as a user runs them: real subprocesses, real ports, SIGTERM on exit."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,12 +9,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_demo_runs_three_services_on_tiny_models() -> None:
+def test_demo_runs_three_services_on_tiny_models(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "specdec.cli", "demo", "--target", "tiny:seed=0", "--draft", "tiny:seed=0,noise=0.01",
          "--prompt", "hello", "--raw", "--max-new-tokens", "24", "--threads", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240)
+        cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert list(tmp_path.glob("specdec-demo-*")) == []  # the services' logs go when all went well
     out = result.stdout
     assert "=== speculative" in out and "=== target only (k=0)" in out
     assert out.count("tokens: 24 new") == 2

@@ -634,3 +634,4 @@ def test_netbench_smoke_runs_every_system_and_reads_its_traces(tmp_path) -> None
     assert {r["system"] for r in report["runs"]} == set(SYSTEMS)
     assert "do not match" not in result.stdout
     assert "\nguard = false\n" in (tmp_path / "orchestrator.toml").read_text()  # one guard for all systems: off
+    assert (tmp_path / "logs-0ms" / "orchestrator.log").exists()  # the services' logs stay with the results

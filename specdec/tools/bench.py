@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> None:
     orch_args = ["--log-level", "WARNING", "--max-k", "8"] + (["--config", config] if config else [])
     started = time.time()
     worker_args = ["--device", str(device), "--dtype", args.dtype]
-    with local_services(args.target, args.draft, 0, orch_args, worker_args=worker_args) as address, tqdm(total=total, unit="run") as progress:
+    with local_services(args.target, args.draft, 0, orch_args, worker_args=worker_args,
+                        logs_dir=out_dir / "logs") as address, tqdm(total=total, unit="run") as progress:
         runs = asyncio.run(_run_all(address, hf, chosen, modes, args.max_new_tokens, progress, plan))
     summaries = [summarize(runs, mode, plan) for mode in modes]
     report = {

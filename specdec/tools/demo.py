@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -97,14 +98,19 @@ def worker_flags(threads: int, worker_args: Sequence[str], cpu_sets: dict[str, s
 @contextlib.contextmanager
 def local_services(target: str, draft: str, threads: int, orch_args: list[str],
                    timeout_s: float = 900.0, worker_args: Sequence[str] = (),
-                   cpu_sets: dict[str, str] | None = None, shared_compute: bool | None = None) -> Iterator[str]:
+                   cpu_sets: dict[str, str] | None = None, shared_compute: bool | None = None,
+                   logs_dir: Path | None = None) -> Iterator[str]:
     """Start the three services as subprocesses on free ports; yields the orchestrator address.
     cpu_sets pins roles ("target", "draft", "orchestrator") to CPU lists. Workers that are not pinned
     apart share the machine's cores: they get --shared-compute (docs/batching.md); shared_compute
-    True / False overrides that."""
+    True / False overrides that. The services' logs go to logs_dir, kept; without one, to a temporary
+    directory that is removed when all went well and kept (its path printed) when not."""
     cpu_sets = cpu_sets or {}
-    workdir = Path(tempfile.mkdtemp(prefix="specdec-demo-"))
+    if logs_dir is not None:
+        logs_dir.mkdir(parents=True, exist_ok=True)
+    workdir = logs_dir or Path(tempfile.mkdtemp(prefix="specdec-demo-"))
     services: list[Service] = []
+    failed = True
     try:
         thread_args = worker_flags(threads, worker_args, cpu_sets, shared_compute)
         # One after the other: each worker calibrates at startup, and two calibrating at once on the
@@ -119,11 +125,17 @@ def local_services(target: str, draft: str, threads: int, orch_args: list[str],
             "orchestrator", "--draft", f"127.0.0.1:{services[1].port}", "--target", f"127.0.0.1:{services[0].port}",
             "--tokenizer", target, *orch_args], workdir, cpu_sets.get("orchestrator")))
         wait_ready(services, timeout_s)
-        print(f"logs: {workdir}")
+        if logs_dir is not None:
+            print(f"logs: {workdir}")
         yield f"127.0.0.1:{services[2].port}"
+        failed = False
     finally:
         for svc in reversed(services):
             svc.stop()
+        if logs_dir is None and not failed:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif logs_dir is None:
+            print(f"logs kept: {workdir}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-compare", action="store_true", help="skip the target-only (k=0) comparison run")
     parser.add_argument("--config", help="orchestrator [speculation] TOML (default for the embedded pair: "
                         "configs/embedded-pair-cpu.toml)")
+    parser.add_argument("--logs-dir", type=Path, help="keep the three services' logs here (default: a temporary "
+                        "directory, removed unless something failed)")
     args = parser.parse_args(argv)
 
     config = args.config
@@ -149,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     orch_args = ["--log-level", "WARNING"] + (["--config", config] if config else [])
     if config:
         print(f"speculation config: {config}")
-    with local_services(args.target, args.draft, args.threads, orch_args) as address:
+    with local_services(args.target, args.draft, args.threads, orch_args, logs_dir=args.logs_dir) as address:
         common = dict(prompt=args.prompt, chat=not args.raw, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, seed=args.seed)
         print(f"\n=== speculative ({args.policy or 'server default policy'}"

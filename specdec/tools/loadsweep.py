@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         cpu_sets = {role: cpus for role, cpus in (("target", args.target_cpus), ("draft", args.draft_cpus)) if cpus}
         threads = 1 if cpu_sets else 0  # pinned to one CPU each: one torch thread, no oversubscription
         with local_services(args.target, args.draft, threads, orch_args, worker_args=args.worker_args.split(),
-                            cpu_sets=cpu_sets) as address:
+                            cpu_sets=cpu_sets, logs_dir=out / "logs") as address:
             results, _ = run(address)
         if args.trace_file:
             from orchestrator.traces import compress

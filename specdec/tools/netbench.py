@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         trace.unlink(missing_ok=True)
         orch_args += ["--trace-file", str(trace)]
         with local_services(args.target, args.draft, args.threads, orch_args, worker_args=worker_args,
-                            cpu_sets=cpu_sets) as address:
+                            cpu_sets=cpu_sets, logs_dir=out / f"logs-{latency:g}ms") as address:
             at = asyncio.run(_runs(address, latency, prompts, args.max_new_tokens))
         if not attach_rounds(at, trace):
             print(f"  {trace}: sessions do not match the requests; no ceiling or slowdown at {latency:g} ms")
