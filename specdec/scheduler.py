@@ -88,10 +88,14 @@ class BatchLimits:
     # latency bound, itl_limit_ms), and every prompt row counts, the short rests of chunked prompts
     # too. 0: the budget above.
     prefill_itl_factor: float = 0.0
+    # The ITL bound also lets a forward take (factor - 1) x each session's gap between calls: on the
+    # target, where a speculating session's gap is its drafting. Not on the draft as well: two
+    # workers each relaxed by the other's time would let a stream's cycle grow (2 factor - 1)-fold.
+    itl_gap_relief: bool = False
 
     def validate(self) -> None:
         if (self.max_batch < 1 or self.max_batch_tokens < 1 or self.max_queue < 0 or self.window_ms < 0
-                or self.prefill_chunk < 0 or self.prefill_itl_factor < 0):
+                or self.prefill_chunk < 0 or not (self.prefill_itl_factor == 0 or self.prefill_itl_factor >= 1)):
             raise ValueError(f"invalid batch limits {self}")
 
 
@@ -463,7 +467,8 @@ class BatchScheduler:
             steps = [j for j in decoding if not j.chunked]
             if not steps:  # only prompts and their rests ready: no decode step to protect, run whole
                 return self.limits.max_batch_tokens
-            limit = min(self._itl_limit_ms(j) for j in steps)  # the tightest session's bound holds the forward
+            typical = self._typical_gap()
+            limit = min(self._itl_limit_ms(j, typical) for j in steps)  # the tightest session's bound holds
             return prefill_chunk_within(self.limits.prefill_curve, sum(len(j.pending.tokens) for j in steps),
                                         limit, self.limits.max_batch_tokens)
         if not self.limits.prefill_curve or decode_rows <= self.limits.max_batch:
@@ -471,16 +476,17 @@ class BatchScheduler:
         sized = prefill_chunk_for(self.limits.prefill_curve, decode_rows, self.limits.max_batch_tokens)
         return self.limits.prefill_chunk if sized is None else max(self.limits.prefill_chunk, sized)
 
-    def _itl_limit_ms(self, job: _Job) -> float:
+    def _itl_limit_ms(self, job: _Job, typical_gap_s: float) -> float:
         """What a forward beside `job`'s decode step may cost under the ITL bound (`itl_limit_ms`).
-        Its gap is the session's usual one between calls, at most the typical gap of all sessions
-        (a chat session's pause between turns is no gap its tokens pay), per step of its last call
-        (a draft's call runs several steps, each of which the prompt rows slow)."""
+        With gap relief, its gap is the session's usual one between calls, at most the typical gap of
+        all sessions (a chat session's pause between turns is no gap its tokens pay), per step of its
+        last call (a call of several steps pays the prompt rows in each)."""
+        gap_s = 0.0
         returned = self._returns.get(job.session_id)
-        gap_s = min(returned[1], self._typical_gap()) if returned else 0.0
-        steps = max(1, self._steps_per_call.get(job.session_id, 1))
+        if self.limits.itl_gap_relief and returned:
+            gap_s = min(returned[1], typical_gap_s) / max(1, self._steps_per_call.get(job.session_id, 1))
         return itl_limit_ms(self.limits.prefill_curve, len(job.pending.tokens), self.limits.prefill_itl_factor,
-                            1000.0 * gap_s / steps)
+                            1000.0 * gap_s)
 
     def _step(self, batch: list[tuple[_Job, Any, bool]]) -> None:
         steps = [step for _, step, _ in batch]
@@ -542,6 +548,8 @@ class BatchScheduler:
             if job.ends_session:  # and its branch slots' keys: none of them comes back
                 for key in [k for k in self._returns if session_of(k) == job.session_id]:
                     del self._returns[key]
+                for key in [k for k in self._steps_per_call if session_of(k) == job.session_id]:
+                    del self._steps_per_call[key]
             else:
                 self._returns[job.session_id] = (now, previous[1] if previous else 0.0)
                 if job.load.forwards:

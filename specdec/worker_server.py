@@ -144,7 +144,9 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--log-level", default="INFO")
 
 
-def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve()) -> BatchLimits:
+def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve(), role: str = "target") -> BatchLimits:
+    """The scheduler's limits from the worker flags and its startup cost curve. The ITL bound's gap
+    relief is the target's alone (BatchLimits.itl_gap_relief)."""
     chunk = str(args.prefill_chunk)
     itl_factor = (args.prefill_itl_factor if args.prefill_itl_factor is not None
                   else DEFAULT_PREFILL_ITL_FACTOR if chunk == "auto" else 0.0)
@@ -165,16 +167,17 @@ def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve()) 
         prefill_chunk = int(chunk) if chunk.isdigit() else -1
         if prefill_chunk < 0:
             raise SystemExit(f"--prefill-chunk must be a number of rows (0: off) or auto, got {chunk!r}")
-    if (args.prefill_itl_factor is not None
-            and (args.prefill_itl_factor < 0 or (args.prefill_itl_factor > 0 and chunk != "auto"))):
-        raise SystemExit("--prefill-itl-factor must be >= 0, and needs --prefill-chunk auto (a measured cost curve)")
+    if args.prefill_itl_factor is not None and (not (args.prefill_itl_factor == 0 or args.prefill_itl_factor >= 1)
+                                                or (args.prefill_itl_factor > 0 and chunk != "auto")):
+        raise SystemExit("--prefill-itl-factor must be 0 (off) or >= 1, and needs --prefill-chunk auto "
+                         "(a measured cost curve)")
     if args.prefill_itl_factor is not None and args.prefill_itl_factor > 0 and not curve:
         log.warning("--prefill-itl-factor %.2f has no effect: no forward of 16 rows or more was measured",
                     args.prefill_itl_factor)
     return BatchLimits(max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
                        window_ms=args.batch_window_ms, max_queue=args.max_queue, prefill_chunk=prefill_chunk,
                        shared_compute=args.shared_compute, prefill_curve=curve,
-                       prefill_itl_factor=itl_factor)
+                       prefill_itl_factor=itl_factor, itl_gap_relief=role == "target")
 
 
 def store_limits(args: argparse.Namespace) -> StoreLimits:
@@ -194,7 +197,7 @@ async def serve_worker(args: argparse.Namespace, role: str,
     core = WorkerCore(loaded, role, store_limits(args))
     from specdec.calibration import calibrate
     await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s)
-    servicer = make_servicer(core, batch_limits(args, core.cost_curve))
+    servicer = make_servicer(core, batch_limits(args, core.cost_curve, role))
     credentials = None
     if args.tls_cert and args.tls_key:
         from specdec import security

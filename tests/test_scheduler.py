@@ -786,13 +786,15 @@ def test_with_an_itl_bound_a_speculating_sessions_gap_buys_prompt_rows(forward) 
     between a chat's turns is no time its tokens wait), divided over its last call's steps."""
     cpu = tuple((r, 1000.0 + 40.0 * r) for r in (1, 9, 16, 32, 64))
 
-    def first_prompt_chunk(gap_s: float, typical_s: float, steps_per_call: int = 1) -> int:
+    def first_prompt_chunk(gap_s: float, typical_s: float, steps_per_call: int = 1, relief: bool = True) -> int:
         fwd = FakeForward()
-        scheduler = make_scheduler(fwd, max_batch=3, prefill_chunk=16, prefill_curve=cpu, prefill_itl_factor=2.0)
+        scheduler = make_scheduler(fwd, max_batch=3, prefill_chunk=16, prefill_curve=cpu, prefill_itl_factor=2.0,
+                                   itl_gap_relief=relief)
         try:
-            scheduler._returns["a"] = (time.monotonic() - gap_s, gap_s)  # its call arrives `gap_s` after its last
-            scheduler._recent_gaps.extend([typical_s] * 3)
-            scheduler._steps_per_call["a"] = steps_per_call
+            with scheduler._cond:  # (the model thread is idle; the lock keeps it so)
+                scheduler._returns["a"] = (time.monotonic() - gap_s, gap_s)  # its call comes `gap_s` after its last
+                scheduler._recent_gaps.extend([typical_s] * 3)
+                scheduler._steps_per_call["a"] = steps_per_call
             verify, _ = submit_held(scheduler, fwd, "a", call("a", steps=2, tokens=9))
             prompt, _ = scheduler.submit("p", prompt_call("p", 100))
             fwd.gate.set()
@@ -807,6 +809,24 @@ def test_with_an_itl_bound_a_speculating_sessions_gap_buys_prompt_rows(forward) 
     assert first_prompt_chunk(gap_s=0.8, typical_s=0.8) == 48       # 3520 ms: 9 + 48 rows 3280, 9 + 56 3600
     assert first_prompt_chunk(gap_s=10.0, typical_s=0.8) == 48      # a long pause counts as the typical gap
     assert first_prompt_chunk(gap_s=0.8, typical_s=0.8, steps_per_call=2) == 40  # 400 ms per step: 3120
+    # The draft worker takes no relief: the target already takes the draft's time as its own.
+    assert first_prompt_chunk(gap_s=0.8, typical_s=0.8, relief=False) == 32
+
+
+def test_a_sessions_steps_per_call_are_learned_from_its_calls_and_dropped_with_it(forward) -> None:
+    """The ITL bound spreads a session's gap over the forwards its last call took part in (a draft's
+    call runs one per drafted token); an EndSession forgets the session and its branch slots."""
+    from specdec.contract import slot_key
+    scheduler = make_scheduler(forward)
+    try:
+        scheduler.submit("s", call("s", steps=3))[0].result(WAIT_S)
+        scheduler.submit(slot_key("s", 1), call(slot_key("s", 1), steps=2))[0].result(WAIT_S)
+        scheduler.submit("other", call("other", steps=1))[0].result(WAIT_S)
+        assert scheduler._steps_per_call == {"s": 3, slot_key("s", 1): 2, "other": 1}
+        scheduler.submit("s", lambda: (yield from ()), ends_session=True)[0].result(WAIT_S)
+        assert scheduler._steps_per_call == {"other": 1}
+    finally:
+        scheduler.close()
 
 
 def test_prefill_chunk_flag() -> None:
@@ -831,6 +851,11 @@ def test_prefill_chunk_flag() -> None:
     assert batch_limits(parser.parse_args(["--prefill-itl-factor", "3"]), measured).prefill_itl_factor == 3.0
     assert batch_limits(parser.parse_args(["--prefill-itl-factor", "0"]), measured).prefill_itl_factor == 0.0
     assert batch_limits(parser.parse_args(["--prefill-chunk", "48"]), measured).prefill_itl_factor == 0.0  # fixed
+    assert batch_limits(auto, measured).itl_gap_relief and not batch_limits(auto, measured, "draft").itl_gap_relief
+    with pytest.raises(SystemExit):  # a bound below 1 would leave no room for any prompt row
+        batch_limits(parser.parse_args(["--prefill-itl-factor", "0.5"]), measured)
+    with pytest.raises(ValueError):
+        BatchLimits(prefill_itl_factor=0.5).validate()
     with pytest.raises(SystemExit):  # a bound needs the measured curve
         batch_limits(parser.parse_args(["--prefill-chunk", "48", "--prefill-itl-factor", "2"]), measured)
     with pytest.raises(SystemExit):

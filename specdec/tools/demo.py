@@ -26,6 +26,7 @@ class Service:
         """cpus: a taskset CPU list ("0", "1-3") to pin the process to, emulating its own device."""
         self.name = name
         self.port_file = workdir / f"{name}.port"
+        self.port_file.unlink(missing_ok=True)  # a logs dir used before holds the last run's ports
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
