@@ -125,9 +125,10 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
                              "from this worker's startup measurement (64 where nothing was measured)")
     parser.add_argument("--prefill-itl-factor", type=float, default=None,
                         help="with --prefill-chunk auto: size each forward's prompt rows so that every stream with a "
-                             "decode step in it runs at most this many times as slowly as alone: its step's forward "
-                             "plus its usual gap between calls (a speculating stream drafts in that gap), so the "
-                             "forward may cost this factor times the step alone plus the gap once less (2 aims at "
+                             "decode step in it runs at most this many times as slowly as alone: on the draft its "
+                             "step's forward, on the target its verify's forward plus its usual gap between calls (a "
+                             "speculating stream drafts in that gap), so the target's forward may cost this factor "
+                             "times the step alone plus the gap once less (2 aims at "
                              "inter-token latency under load about twice one stream's); at least 16 rows (also "
                              "where the decode rows alone break the bound); first tokens then come later, as "
                              f"prompts take more forwards. Default {DEFAULT_PREFILL_ITL_FACTOR:g} with --prefill-chunk "
