@@ -29,3 +29,12 @@ def test_cli_help_lists_commands() -> None:
     assert result.returncode == 0
     for command in ("serve-draft", "serve-target", "serve-orchestrator", "generate", "demo"):
         assert command in result.stdout
+
+
+def test_a_service_that_died_during_the_run_keeps_the_logs() -> None:
+    """local_services removes its temporary logs only when all went well: a service that exited on
+    its own (a crash, an OOM kill) while the caller's work still finished counts as a failure."""
+    from specdec.tools.demo import exited_early
+    assert exited_early({"target": None, "draft": None, "orchestrator": None}) == []
+    assert exited_early({"target": None, "draft": 0}) == []
+    assert exited_early({"target": None, "draft": -9, "orchestrator": 1}) == ["draft", "orchestrator"]

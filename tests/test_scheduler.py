@@ -1,6 +1,7 @@
 """The per-worker batch scheduler on its own: a fake forward, no model, no gRPC."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -829,7 +830,7 @@ def test_a_sessions_steps_per_call_are_learned_from_its_calls_and_dropped_with_i
         scheduler.close()
 
 
-def test_prefill_chunk_flag() -> None:
+def test_prefill_chunk_flag(caplog) -> None:
     import argparse
 
     from specdec.contract import CostCurve
@@ -852,6 +853,11 @@ def test_prefill_chunk_flag() -> None:
     assert batch_limits(parser.parse_args(["--prefill-itl-factor", "0"]), measured).prefill_itl_factor == 0.0
     assert batch_limits(parser.parse_args(["--prefill-chunk", "48"]), measured).prefill_itl_factor == 0.0  # fixed
     assert batch_limits(auto, measured).itl_gap_relief and not batch_limits(auto, measured, "draft").itl_gap_relief
+    with caplog.at_level(logging.WARNING, logger="specdec.worker_server"):
+        assert batch_limits(parser.parse_args(["--prefill-itl-factor", "2"])).prefill_curve == ()
+        batch_limits(auto)  # the default asks for nothing: no warning where nothing was measured
+    assert [r.getMessage() for r in caplog.records] == [
+        "--prefill-itl-factor 2.00 has no effect: no forward of 16 rows or more was measured"]
     with pytest.raises(SystemExit):  # a bound below 1 would leave no room for any prompt row
         batch_limits(parser.parse_args(["--prefill-itl-factor", "0.5"]), measured)
     with pytest.raises(ValueError):

@@ -96,6 +96,11 @@ def worker_flags(threads: int, worker_args: Sequence[str], cpu_sets: dict[str, s
     return flags
 
 
+def exited_early(return_codes: dict[str, int | None]) -> list[str]:
+    """The services that exited on their own, not cleanly (None: still running, 0: a clean exit)."""
+    return [name for name, code in return_codes.items() if code not in (None, 0)]
+
+
 @contextlib.contextmanager
 def local_services(target: str, draft: str, threads: int, orch_args: list[str],
                    timeout_s: float = 900.0, worker_args: Sequence[str] = (),
@@ -131,8 +136,12 @@ def local_services(target: str, draft: str, threads: int, orch_args: list[str],
         yield f"127.0.0.1:{services[2].port}"
         failed = False
     finally:
+        crashed = exited_early({svc.name: svc.proc.poll() for svc in services})  # before we stop them
+        failed = failed or bool(crashed)
         for svc in reversed(services):
             svc.stop()
+        if crashed:
+            print(f"exited on their own during the run: {', '.join(crashed)}", file=sys.stderr)
         if logs_dir is None and not failed:
             shutil.rmtree(workdir, ignore_errors=True)
         elif logs_dir is None:
