@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from specdec import curves
 from specdec.contract import session_of
@@ -95,7 +95,7 @@ class BatchLimits:
 
     def validate(self) -> None:
         if (self.max_batch < 1 or self.max_batch_tokens < 1 or self.max_queue < 0 or self.window_ms < 0
-                or self.prefill_chunk < 0 or not (self.prefill_itl_factor == 0 or self.prefill_itl_factor >= 1)):
+                or self.prefill_chunk < 0 or not itl_factor_valid(self.prefill_itl_factor)):
             raise ValueError(f"invalid batch limits {self}")
 
 
@@ -114,6 +114,11 @@ def prefill_chunk_for(curve: Sequence[tuple[int, float]], decode_rows: int, cap:
     while chunk * 2 <= cap and curves.extended(points, decode_rows + chunk * 2) <= limit:
         chunk *= 2
     return chunk
+
+
+def itl_factor_valid(factor: float) -> bool:
+    """An ITL bound is off (0) or at least 1: below 1 no prompt row would fit beside any decode step."""
+    return factor == 0 or factor >= 1
 
 
 def itl_limit_ms(curve: Sequence[tuple[int, float]], step_rows: int, factor: float,
@@ -138,6 +143,14 @@ def prefill_chunk_within(curve: Sequence[tuple[int, float]], decode_rows: int, l
            and (curves.extended(points, decode_rows + chunk + 8) or float("inf")) <= limit_ms):
         chunk += 8
     return chunk
+
+
+class _Return(NamedTuple):
+    """A session whose last call ended: when, the EWMA of its gap until its next call (0 before one
+    was seen), and how many forwards that call took part in (the ITL bound spreads the gap over them)."""
+    ended: float
+    gap: float
+    steps: int = 1
 
 
 def _slots_taken(jobs: Iterable[_Job]) -> int:
@@ -205,10 +218,9 @@ class BatchScheduler:
         self._waiting: collections.deque[_Job] = collections.deque()
         self._active: list[_Job] = []
         self._closed = False
-        # Sessions whose last call ended recently -> (end time, EWMA of their gap until the next call).
-        self._returns: dict[str, tuple[float, float]] = {}
+        # Sessions whose last call ended recently.
+        self._returns: dict[str, _Return] = {}
         self._recent_gaps: collections.deque[float] = collections.deque(maxlen=64)  # any session's
-        self._steps_per_call: dict[str, int] = {}  # forwards each session's last call took part in (ITL bound)
         self._busy: collections.deque[tuple[float, float]] = collections.deque()
         self._util_window_s = utilisation_window_s
         self._started = clock()
@@ -314,9 +326,6 @@ class BatchScheduler:
             # the whole window (a forward's time with shared compute).
             self._cond.wait(remaining)
 
-    def _due_calls(self) -> int:
-        return self._due()[0]
-
     def _due(self) -> tuple[int, float]:
         """How many sessions are due back, and when the first of them turns overdue (lock held)."""
         # A full batch cannot take a session that comes back: no point waiting. An EndSession runs no
@@ -330,7 +339,7 @@ class BatchScheduler:
         present = {j.session_id for j in self._waiting} | {j.session_id for j in self._active}
         typical = self._typical_gap()
         due, overdue_at = 0, float("inf")
-        for sid, (ended, learned) in list(self._returns.items()):
+        for sid, (ended, learned, _) in list(self._returns.items()):
             since = now - ended
             gap = learned or typical  # a session after its first call comes back as the others do
             if since > max(10 * gap, 2.0):
@@ -368,10 +377,11 @@ class BatchScheduler:
                 busy.add(job.session_id)
                 ended = self._returns.get(job.session_id)
                 if ended is not None and not job.ends_session:  # learn how soon this session comes back
-                    gap = max(0.0, job.submitted - ended[0])
+                    gap = max(0.0, job.submitted - ended.ended)
                     if gap > 0:  # (0: it was queued behind its own previous call, not a return)
                         self._recent_gaps.append(gap)
-                    self._returns[job.session_id] = (ended[0], gap if ended[1] <= 0 else 0.7 * ended[1] + 0.3 * gap)
+                    self._returns[job.session_id] = ended._replace(
+                        gap=gap if ended.gap <= 0 else 0.7 * ended.gap + 0.3 * gap)
             else:
                 kept.append(job)
                 busy.add(job.session_id)  # its session's later calls (an EndSession too) wait behind it
@@ -484,7 +494,7 @@ class BatchScheduler:
         gap_s = 0.0
         returned = self._returns.get(job.session_id)
         if self.limits.itl_gap_relief and returned:
-            gap_s = min(returned[1], typical_gap_s) / max(1, self._steps_per_call.get(job.session_id, 1))
+            gap_s = min(returned.gap, typical_gap_s) / max(1, returned.steps)
         return itl_limit_ms(self.limits.prefill_curve, len(job.pending.tokens), self.limits.prefill_itl_factor,
                             1000.0 * gap_s)
 
@@ -548,19 +558,13 @@ class BatchScheduler:
             if job.ends_session:  # and its branch slots' keys: none of them comes back
                 for key in [k for k in self._returns if session_of(k) == job.session_id]:
                     del self._returns[key]
-                for key in [k for k in self._steps_per_call if session_of(k) == job.session_id]:
-                    del self._steps_per_call[key]
             else:
-                self._returns[job.session_id] = (now, previous[1] if previous else 0.0)
-                if job.load.forwards:
-                    self._steps_per_call[job.session_id] = job.load.forwards
+                self._returns[job.session_id] = _Return(now, previous.gap if previous else 0.0,
+                                                        job.load.forwards or (previous.steps if previous else 1))
             if len(self._returns) > 4 * (self.limits.max_batch + self.limits.max_queue):
-                for sid, (ended, gap) in list(self._returns.items()):  # bounded: forget quiet sessions
+                for sid, (ended, gap, _) in list(self._returns.items()):  # bounded: forget quiet sessions
                     if now - ended > max(10 * gap, 2.0):
                         del self._returns[sid]
-            if len(self._steps_per_call) > len(self._returns) + len(self._active):
-                for sid in [sid for sid in self._steps_per_call if sid not in self._returns]:
-                    del self._steps_per_call[sid]
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ load

@@ -14,7 +14,8 @@ from specdec import grpc_util
 from specdec.errors import DeadlineExceeded
 from specdec.v1 import common_pb2
 from specdec.contract import MAX_BRANCH_SLOTS, CallStats, CostCurve, validate_session_id
-from specdec.scheduler import BatchLimits, BatchScheduler, itl_limit_ms, prefill_chunk_for, prefill_chunk_within
+from specdec.scheduler import (BatchLimits, BatchScheduler, itl_factor_valid, itl_limit_ms, prefill_chunk_for,
+                               prefill_chunk_within)
 from specdec.worker_core import ForwardStep, StoreLimits, WorkerCore
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve(), 
         prefill_chunk = int(chunk) if chunk.isdigit() else -1
         if prefill_chunk < 0:
             raise SystemExit(f"--prefill-chunk must be a number of rows (0: off) or auto, got {chunk!r}")
-    if args.prefill_itl_factor is not None and (not (args.prefill_itl_factor == 0 or args.prefill_itl_factor >= 1)
+    if args.prefill_itl_factor is not None and (not itl_factor_valid(args.prefill_itl_factor)
                                                 or (args.prefill_itl_factor > 0 and chunk != "auto")):
         raise SystemExit("--prefill-itl-factor must be 0 (off) or >= 1, and needs --prefill-chunk auto "
                          "(a measured cost curve)")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from specdec.errors import DeadlineExceeded, WorkerUnavailable
-from specdec.scheduler import BatchLimits, BatchScheduler, QueueFull
+from specdec.scheduler import BatchLimits, BatchScheduler, QueueFull, _Return
 
 WAIT_S = 10.0
 
@@ -258,35 +258,35 @@ def test_window_waits_only_for_sessions_that_are_due() -> None:
         with scheduler._cond:
             assert scheduler._window_s() == 0.005
             # "s" ended a call at t=100 and usually comes back 0.2 s after one.
-            scheduler._returns["s"] = (100.0, 0.2)
+            scheduler._returns["s"] = _Return(100.0, 0.2)
             now[0] = 100.05   # not back for another 0.15 s: no point holding a forward for it
-            assert scheduler._due_calls() == 0
+            assert scheduler._due()[0] == 0
             now[0] = 100.197  # comes back within the 5 ms window
-            assert scheduler._due_calls() == 1
+            assert scheduler._due()[0] == 1
             now[0] = 100.3    # a little late: still expected
-            assert scheduler._due_calls() == 1
+            assert scheduler._due()[0] == 1
             now[0] = 100.5    # overdue: no longer waited for
-            assert scheduler._due_calls() == 0
+            assert scheduler._due()[0] == 0
             now[0] = 200.0    # quiet for long: forgotten
-            assert scheduler._due_calls() == 0 and "s" not in scheduler._returns
+            assert scheduler._due()[0] == 0 and "s" not in scheduler._returns
             # A session that comes straight back (a round trip of 3 ms) is due right after its call.
-            scheduler._returns["fast"] = (200.0, 0.003)
-            assert scheduler._due_calls() == 1
+            scheduler._returns["fast"] = _Return(200.0, 0.003)
+            assert scheduler._due()[0] == 1
             # A session with no learned gap, and no other session to learn from, is never waited for:
             # a single stream pays nothing.
             scheduler._returns.clear()
-            scheduler._returns["new"] = (200.0, 0.0)
-            assert scheduler._due_calls() == 0
+            scheduler._returns["new"] = _Return(200.0, 0.0)
+            assert scheduler._due()[0] == 0
             # Beside sessions that come back 3-4 ms after a call, a new one (after its prompt's call)
             # is expected as they are: due now, overdue past twice the typical gap and the window.
             scheduler._recent_gaps.extend([0.003, 0.004, 0.003])  # learned from sessions now gone
             assert scheduler._typical_gap() == 0.003
-            assert scheduler._due_calls() == 1
+            assert scheduler._due()[0] == 1
             now[0] = 200.0 + 2 * 0.003 + 0.005 + 0.001
-            assert scheduler._due_calls() == 0 and "new" in scheduler._returns
+            assert scheduler._due()[0] == 0 and "new" in scheduler._returns
             # Its own gap, once learned, wins over the others'.
-            scheduler._returns["new"] = (now[0], 0.5)
-            assert scheduler._due_calls() == 0
+            scheduler._returns["new"] = _Return(now[0], 0.5)
+            assert scheduler._due()[0] == 0
             # The window is at most a tenth of a forward: fast forwards wait less.
             scheduler.forwards, scheduler._step_s = 10, 0.02
             assert scheduler._window_s() == pytest.approx(0.002)
@@ -306,21 +306,21 @@ def test_with_shared_compute_a_forward_waits_up_to_its_own_time_for_sessions_sti
             assert scheduler._window_s() == 0.005  # nothing measured yet: the cap
             scheduler.forwards, scheduler._step_s = 10, 0.8  # forwards of 800 ms
             assert scheduler._window_s() == pytest.approx(0.8)
-            scheduler._returns["drafting"] = (100.0, 0.5)  # back 0.5 s after its verify, usually
+            scheduler._returns["drafting"] = _Return(100.0, 0.5)  # back 0.5 s after its verify, usually
             now[0] = 100.05
-            assert scheduler._due_calls() == 1  # within the next forward's time: wait for it
+            assert scheduler._due()[0] == 1  # within the next forward's time: wait for it
             now[0] = 100.75                      # 1.5 x its gap (and the 5 ms cap): overdue
-            assert scheduler._due_calls() == 1
+            assert scheduler._due()[0] == 1
             now[0] = 100.76
-            assert scheduler._due_calls() == 0
+            assert scheduler._due()[0] == 0
         # Without shared compute the same session is not waited for until it is 5 ms away.
         plain = BatchScheduler(lambda steps: [0] * len(steps), BatchLimits(window_ms=5.0), clock=lambda: now[0])
         try:
             with plain._cond:
                 plain.forwards, plain._step_s = 10, 0.8
-                plain._returns["drafting"] = (100.0, 0.5)
+                plain._returns["drafting"] = _Return(100.0, 0.5)
                 now[0] = 100.05
-                assert plain._window_s() == pytest.approx(0.005) and plain._due_calls() == 0
+                assert plain._window_s() == pytest.approx(0.005) and plain._due()[0] == 0
         finally:
             plain.close()
     finally:
@@ -339,7 +339,7 @@ def test_a_due_session_that_does_not_come_back_holds_the_forward_only_until_it_i
     try:
         with clocked._cond:
             clocked.forwards, clocked._step_s = 10, 3.0
-            clocked._returns.update({"gone": (100.0, 0.010), "later": (100.0, 0.020)})
+            clocked._returns.update({"gone": _Return(100.0, 0.010), "later": _Return(100.0, 0.020)})
             due, overdue_at = clocked._due()
             assert due == 2 and overdue_at == pytest.approx(100.0 + 1.5 * 0.010 + 0.005)
     finally:
@@ -351,7 +351,7 @@ def test_a_due_session_that_does_not_come_back_holds_the_forward_only_until_it_i
     try:
         with scheduler._cond:
             scheduler.forwards, scheduler._step_s = 10, 3.0
-            scheduler._returns["gone"] = (_time.monotonic(), 0.010)
+            scheduler._returns["gone"] = _Return(_time.monotonic(), 0.010)
         submitted = _time.monotonic()
         scheduler.submit("x", call("x"))[0].result(WAIT_S)
         assert started and started[0] - submitted < 1.0, started[0] - submitted  # not the 3 s window
@@ -445,12 +445,12 @@ def test_an_end_session_waiting_does_not_count_as_a_full_batch() -> None:
                                clock=lambda: now[0])
     try:
         with scheduler._cond:
-            scheduler._returns["due"] = (100.0, 0.003)
+            scheduler._returns["due"] = _Return(100.0, 0.003)
             scheduler._waiting.append(_Job("decoding", call("decoding"), None, 100.0))
             scheduler._waiting.append(_Job("finished", call("finished"), None, 100.0, ends_session=True))
-            assert scheduler._due_calls() == 1
+            assert scheduler._due()[0] == 1
             scheduler._waiting.append(_Job("other", call("other"), None, 100.0))  # now really full
-            assert scheduler._due_calls() == 0
+            assert scheduler._due()[0] == 0
             scheduler._waiting.clear()
     finally:
         scheduler.close()
@@ -500,7 +500,8 @@ def test_the_typical_gap_learns_from_returns_only() -> None:
     scheduler = BatchScheduler(lambda steps: [0] * len(steps), BatchLimits(window_ms=5.0), clock=lambda: now[0])
     try:
         with scheduler._cond:
-            scheduler._returns.update({"ending": (99.0, 0.003), "queued": (100.0, 0.003), "back": (99.99, 0.003)})
+            scheduler._returns.update({"ending": _Return(99.0, 0.003), "queued": _Return(100.0, 0.003),
+                                       "back": _Return(99.99, 0.003)})
             scheduler._waiting.extend([_Job("ending", call("ending"), None, 100.0, ends_session=True),
                                        _Job("queued", call("queued"), None, 99.5),   # before its last call ended
                                        _Job("back", call("back"), None, 100.0)])
@@ -793,9 +794,9 @@ def test_with_an_itl_bound_a_speculating_sessions_gap_buys_prompt_rows(forward) 
                                    itl_gap_relief=relief)
         try:
             with scheduler._cond:  # (the model thread is idle; the lock keeps it so)
-                scheduler._returns["a"] = (time.monotonic() - gap_s, gap_s)  # its call comes `gap_s` after its last
+                # Its call comes `gap_s` after its last, which took part in `steps_per_call` forwards.
+                scheduler._returns["a"] = _Return(time.monotonic() - gap_s, gap_s, steps_per_call)
                 scheduler._recent_gaps.extend([typical_s] * 3)
-                scheduler._steps_per_call["a"] = steps_per_call
             verify, _ = submit_held(scheduler, fwd, "a", call("a", steps=2, tokens=9))
             prompt, _ = scheduler.submit("p", prompt_call("p", 100))
             fwd.gate.set()
@@ -823,9 +824,9 @@ def test_a_sessions_steps_per_call_are_learned_from_its_calls_and_dropped_with_i
         scheduler.submit("s", call("s", steps=3))[0].result(WAIT_S)
         scheduler.submit(slot_key("s", 1), call(slot_key("s", 1), steps=2))[0].result(WAIT_S)
         scheduler.submit("other", call("other", steps=1))[0].result(WAIT_S)
-        assert scheduler._steps_per_call == {"s": 3, slot_key("s", 1): 2, "other": 1}
+        assert {sid: r.steps for sid, r in scheduler._returns.items()} == {"s": 3, slot_key("s", 1): 2, "other": 1}
         scheduler.submit("s", lambda: (yield from ()), ends_session=True)[0].result(WAIT_S)
-        assert scheduler._steps_per_call == {"other": 1}
+        assert {sid: r.steps for sid, r in scheduler._returns.items()} == {"other": 1}
     finally:
         scheduler.close()
 
