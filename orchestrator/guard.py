@@ -23,7 +23,10 @@ A decision holds for the load it was measured at. When the pair's concurrency (t
 rounds in flight over the last LOAD_WINDOW decisions) moves LOAD_SHIFT times above or below what it
 was when the epoch began, and by at least MIN_LOAD_CHANGE rounds, the rates compared so far are of
 another load, and the old decision's epoch may be 64x a probe long. If the pair was decided at
-about the new load before, that decision comes back, once (`_take_back_decision`). Otherwise the
+about the new load before, that decision comes back, once (`_take_back_decision`). After a rise
+above a load where speculating lost, target-only holds at first for a winner's epoch, as if that
+loss had been confirmed here once (`_assume_loss_from_below`): speculation that lost at a load
+rarely wins at a higher one. Otherwise the
 guard drops the rates and measures both modes again in short epochs: after a rise target-only
 first (the mode that batching favours, and the safe one while the new sessions' prompts arrive;
 provisionally, with no hysteresis in the comparison that follows), after a fall the current winner
@@ -165,6 +168,7 @@ class Decision(NamedTuple):
     rates: dict[str, float | None]
     first_rounds: FirstRounds
     last_ms: dict[str, float]
+    taken_back: bool = False  # taken back once since (kept: a loss still stands for higher loads)
 
 
 @dataclass(frozen=True)
@@ -222,9 +226,11 @@ class PairGuard:
             self._epoch_load = self.load  # the pair's first round
         elif self._load_shifted():
             if self._counted == 0 and all(rate is None for rate in self.rates.values()):
-                # Already measuring afresh, nothing counted yet: a ramp. It may reach a load decided before.
+                # Already measuring afresh, nothing counted yet: a ramp. It may reach a load decided
+                # before, or one above a load where speculation lost.
+                rise = self.load > self._epoch_load
                 self._epoch_load = self.load
-                if self._take_back_decision():
+                if self._take_back_decision() or (rise and self._assume_loss_from_below()):
                     self._begin_epoch(self.winner)
             else:
                 self._restart_for_load()
@@ -251,7 +257,8 @@ class PairGuard:
         other mode is measured again (a load that moves between two levels pays for exploring each
         level every other visit, not at every move; taken back once only, so that a load that moves
         faster than a winner's epoch still gets its loser measured).
-        Otherwise both modes are measured anew in short epochs: after a fall the current winner
+        After a rise above a load where speculating lost, target-only holds for a winner's epoch
+        first (`_assume_loss_from_below`). Otherwise both modes are measured anew in short epochs: after a fall the current winner
         first, after a rise target-only first. A rise is where speculation stops paying (batching
         makes each target-only token cheaper, the drafts' rows make each forward dearer), and the
         turns that raised the load begin in the safe mode instead of paying for speculating prompts."""
@@ -260,7 +267,7 @@ class PairGuard:
         self.streak = 0
         log.info("pair %s: up to %d guarded rounds in flight lately, against %d when the epoch began",
                  self.name, self.load, self._epoch_load)
-        if not self._take_back_decision():
+        if not self._take_back_decision() and not (rise and self._assume_loss_from_below()):
             self.rates = {SPECULATE: None, TARGET_ONLY: None}
             self.first_rounds = FirstRounds()
             if rise and self.speculation_wins:
@@ -273,11 +280,13 @@ class PairGuard:
     def _take_back_decision(self) -> bool:
         """Take back (once) the last decision taken at about the current load, if any (see
         _restart_for_load). A change of mode this way is logged like a decision's."""
-        near = [load for load in self._decided_at if same_load(load, self.load)]
+        near = [load for load, decision in self._decided_at.items()
+                if same_load(load, self.load) and not decision.taken_back]
         if not near:
             return False
         load = min(near, key=lambda load: abs(math.log(load / max(self.load, 1))))
-        decision = self._decided_at.pop(load)
+        decision = self._decided_at[load]
+        self._decided_at[load] = decision._replace(taken_back=True)
         was = self._settled_winner
         self._provisional_from = None
         self.speculation_wins = decision.speculation_wins
@@ -287,6 +296,36 @@ class PairGuard:
         log.log(self._level_of(was), "pair %s: %s, as decided at %d rounds in flight before", self.name,
                 self.winner_name, load)
         if was != self.speculation_wins:
+            self.flips += 1
+        return True
+
+    def _assume_loss_from_below(self) -> bool:
+        """After a rise to a load with no decision of its own to take back: if speculating lost the
+        last comparison at the highest lower load decided (taken back since or not), target-only
+        holds, as if that loss had been confirmed here once: a winner's epoch (8x the last probe),
+        not a provisional short one, before speculating is probed at this load. Batching makes each
+        target-only token cheaper as load grows and drafts add rows to every forward, so speculation
+        that lost at a load rarely wins at a higher one, while a probe at the new load costs a short
+        burst its throughput (loadtest run 51, 2-core Zen 5: 8 streams after 4 had been decided
+        target-only, a 10 s probe in a 23 s block, 0.92x). The lower load's rates only size that
+        epoch: both modes are measured at this load before the next comparison, and its first rounds
+        start empty. The lower load keeps its decision."""
+        below = [load for load in self._decided_at if load < self.load]
+        if not below:
+            return False
+        load = max(below)
+        decision = self._decided_at[load]
+        if decision.speculation_wins:
+            return False
+        was = self._settled_winner
+        self._provisional_from = None
+        self.speculation_wins = False
+        self.rates, self._last_ms = dict(decision.rates), dict(decision.last_ms)
+        self.first_rounds = FirstRounds()
+        self.streak = 1
+        log.log(self._level_of(was), "pair %s: target-only holds, as speculating lost at %d rounds in flight "
+                "(to be measured at %d)", self.name, load, self.load)
+        if was:
             self.flips += 1
         return True
 

@@ -387,6 +387,62 @@ def test_a_load_that_comes_back_gets_the_decision_taken_at_it_instead_of_a_new_e
     assert second_visit[1:] == [TARGET_ONLY] * 99 and guard.decisions == decisions
 
 
+def test_a_rise_above_a_load_where_speculation_lost_holds_target_only_before_probing_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    play_batched(guard, 400, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    play_batched(guard, 40, 4, spec_round=(3, 400.0), off_round=(1, 60.0))  # explored at 4: target-only won
+    assert not guard.speculation_wins and [d.speculation_wins for d in guard._decided_at.values()] == [True, False]
+    play_batched(guard, 100, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    assert guard.speculation_wins
+    # Eight sessions, a load never decided: without the loss at 4 it would be a provisional
+    # target-only epoch of 4 batches and a speculating probe of 4. With it, target-only holds for a
+    # winner's epoch as if confirmed once: the probe at 4's 32 x 400 ms x max(8, loss 55 % /
+    # MEASUREMENT_COST), some 490 batches of 8 x 60 ms.
+    # (The batch ramps: at 3 in flight the decision taken at 4 comes back; at 6 it holds.)
+    restarts, decisions, flips = guard.load_restarts, guard.decisions, guard.flips
+    with caplog.at_level(logging.INFO, logger="orchestrator.guard"):
+        first_visit = play_batched(guard, 300, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
+    assert first_visit == [TARGET_ONLY] * 300 and guard.decisions == decisions and guard.flips == flips + 1
+    assert guard.load_restarts == restarts + 2 and guard.streak == 1 and guard.first_rounds.turns == 0
+    assert [r.message for r in caplog.records if "speculating lost" in r.message] == [
+        "pair pair: target-only holds, as speculating lost at 4 rounds in flight (to be measured at 6)"]
+    assert sorted(guard._decided_at) == [1, 4]  # no decision at 8 yet; the one at 4 is kept
+    # Then speculating is measured at 8 and the comparison is taken there, on rates measured there.
+    later = play_batched(guard, 300, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
+    assert SPECULATE in later and guard.decisions == decisions + 1 and not guard.speculation_wins
+    assert guard._decided_at[8].rates == {SPECULATE: 3 / 400.0, TARGET_ONLY: 1 / 60.0}
+
+
+def test_a_loss_remembered_at_a_lower_load_holds_target_only_after_a_rise_from_speculating(
+        caplog: pytest.LogCaptureFixture) -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    play_batched(guard, 400, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    play_batched(guard, 40, 4, spec_round=(3, 400.0), off_round=(1, 60.0))  # target-only won at 4 (ramp: 3)
+    play_batched(guard, 100, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    play_batched(guard, 20, 4, spec_round=(3, 400.0), off_round=(1, 60.0))  # ... taken back: due a measurement
+    play_batched(guard, 200, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    assert guard.speculation_wins and guard._decided_at[4].taken_back and not guard._decided_at[4].speculation_wins
+    # Eight: at 3 in flight nothing to take back (provisional target-only, to measure both); at 6,
+    # above the load where speculating lost, target-only holds for a winner's epoch instead.
+    decisions = guard.decisions
+    with caplog.at_level(logging.INFO, logger="orchestrator.guard"):
+        modes = play_batched(guard, 300, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
+    assert modes == [TARGET_ONLY] * 300 and guard.decisions == decisions and guard.streak == 1
+    assert [r.message for r in caplog.records if "speculating lost" in r.message] == [
+        "pair pair: target-only holds, as speculating lost at 4 rounds in flight (to be measured at 6)"]
+
+
+def test_a_rise_above_a_load_where_speculation_won_is_measured_at_once() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    play_batched(guard, 400, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    play_batched(guard, 60, 4, spec_round=(3, 150.0), off_round=(1, 60.0))  # speculating still wins at 4
+    assert guard.speculation_wins and all(d.speculation_wins for d in guard._decided_at.values())
+    modes = play_batched(guard, 12, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
+    # Provisional target-only, then the speculating probe within a few batches.
+    assert SPECULATE in modes[2:10] and not guard.speculation_wins, modes
+
+
 def test_a_decision_taken_back_once_is_measured_again_before_it_is_trusted_again() -> None:
     """A load that moves faster than a winner's epoch must not keep an old decision for ever: at 8
     sessions target-only won, then speculation gets cheaper there (3 tokens in 150 ms against 1 in 60);
@@ -419,7 +475,7 @@ def test_taking_a_decision_back_restores_its_rates_and_first_rounds_and_warns_wh
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="orchestrator.guard"):
         play_batched(guard, 2, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
-    assert not guard.speculation_wins and 8 not in guard._decided_at  # taken back, once
+    assert not guard.speculation_wins and guard._decided_at[8].taken_back  # taken back, once
     assert guard.rates == remembered.rates and guard.first_rounds == remembered.first_rounds
     assert [r.levelno for r in caplog.records if "as decided at" in r.message] == [logging.WARNING]
 
