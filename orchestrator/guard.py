@@ -24,10 +24,10 @@ rounds in flight over the last LOAD_WINDOW decisions) moves LOAD_SHIFT times abo
 was when the epoch began, and by at least MIN_LOAD_CHANGE rounds, the rates compared so far are of
 another load, and the old decision's epoch may be 64x a probe long. If the pair was decided at
 about the new load before, that decision comes back, once (`_take_back_decision`). After a rise
-above a load where speculating lost, target-only holds at first for a winner's epoch, as if that
-loss had been confirmed here once (`_assume_loss_from_below`): speculation that lost at a load
-rarely wins at a higher one. Otherwise the
-guard drops the rates and measures both modes again in short epochs: after a rise target-only
+above a load where speculating lost (the highest lower load decided), target-only holds for a
+winner's epoch, as if that loss had been confirmed here once, one such epoch per load over all its
+visits (`_assume_loss_from_below`): speculation that lost at a load rarely wins at a higher one.
+Otherwise the guard drops the rates and measures both modes again in short epochs: after a rise target-only
 first (the mode that batching favours, and the safe one while the new sessions' prompts arrive;
 provisionally, with no hysteresis in the comparison that follows), after a fall the current winner
 first. Being a peak over a window, the load sees a rise at once and a fall only after LOAD_WINDOW
@@ -207,6 +207,11 @@ class PairGuard:
         self.first_rounds = FirstRounds()  # turns begun speculating at the current load
         # The last decision at each load it was measured at (rounds in flight); taken back at most once.
         self._decided_at: dict[int, Decision] = {}
+        # Loads held target-only for a loss below them (_assume_loss_from_below), not compared at
+        # since: the counted ms held there so far, over all visits; and the hold now running, if any.
+        self._held_at: dict[int, float] = {}
+        self._holding: int | None = None
+        self._next_hold: int | None = None
         self._turns = 0.0        # decayed count of the turns that ended ...
         self._turn_tokens = 0.0  # ... and of their tokens: the pair's mean turn length
         self._counted = 0
@@ -258,16 +263,19 @@ class PairGuard:
         level every other visit, not at every move; taken back once only, so that a load that moves
         faster than a winner's epoch still gets its loser measured).
         After a rise above a load where speculating lost, target-only holds for a winner's epoch
-        first (`_assume_loss_from_below`). Otherwise both modes are measured anew in short epochs: after a fall the current winner
-        first, after a rise target-only first. A rise is where speculation stops paying (batching
-        makes each target-only token cheaper, the drafts' rows make each forward dearer), and the
-        turns that raised the load begin in the safe mode instead of paying for speculating prompts."""
+        first, counted over all visits to this load, so that here too the loser is measured in
+        the end (`_assume_loss_from_below`). Otherwise both modes are measured anew in short
+        epochs: after a fall the current winner first, after a rise target-only first. A rise is
+        where speculation stops paying (batching makes each target-only token cheaper, the drafts'
+        rows make each forward dearer), and the turns that raised the load begin in the safe mode
+        instead of paying for speculating prompts."""
         rise = self.load > self._epoch_load
         self.load_restarts += 1
         self.streak = 0
         log.info("pair %s: up to %d guarded rounds in flight lately, against %d when the epoch began",
                  self.name, self.load, self._epoch_load)
-        if not self._take_back_decision() and not (rise and self._assume_loss_from_below()):
+        recalled = self._take_back_decision() or (rise and self._assume_loss_from_below())
+        if not recalled:
             self.rates = {SPECULATE: None, TARGET_ONLY: None}
             self.first_rounds = FirstRounds()
             if rise and self.speculation_wins:
@@ -302,14 +310,23 @@ class PairGuard:
     def _assume_loss_from_below(self) -> bool:
         """After a rise to a load with no decision of its own to take back: if speculating lost the
         last comparison at the highest lower load decided (taken back since or not), target-only
-        holds, as if that loss had been confirmed here once: a winner's epoch (8x the last probe),
-        not a provisional short one, before speculating is probed at this load. Batching makes each
-        target-only token cheaper as load grows and drafts add rows to every forward, so speculation
-        that lost at a load rarely wins at a higher one, while a probe at the new load costs a short
-        burst its throughput (loadtest run 51, 2-core Zen 5: 8 streams after 4 had been decided
-        target-only, a 10 s probe in a 23 s block, 0.92x). The lower load's rates only size that
-        epoch: both modes are measured at this load before the next comparison, and its first rounds
-        start empty. The lower load keeps its decision."""
+        holds, as if that loss had been confirmed here once: a winner's epoch (`_length` with one
+        confirmation: 8x the lower load's last speculating probe, or longer by its loss there, at
+        most 4 x max_stretch), not a provisional short one, before speculating is probed at this
+        load. Batching makes each target-only token cheaper as load grows and drafts add rows to
+        every forward, so speculation that lost at a load rarely wins at a higher one, while a probe
+        at the new load costs a short burst its throughput (loadtest run 51, 2-core Zen 5: 8 streams
+        after 4 had been decided target-only, a 10 s probe in a 23 s block, 0.92x).
+
+        The hold is one winner's epoch per load in all, not per visit: what earlier visits held at
+        about this load counts towards it, so a load that moves faster than the epoch still gets
+        speculation measured there, later. Not where speculating won at about this load itself
+        (that decision is newer evidence than a loss below). The lower load's rates only size the
+        hold: both modes are measured at this load before the comparison there (which keeps its
+        hysteresis, and counts as a second confirmation if it agrees), and its first rounds start
+        empty. The lower load keeps its decision."""
+        if any(same_load(load, self.load) and decision.speculation_wins for load, decision in self._decided_at.items()):
+            return False
         below = [load for load in self._decided_at if load < self.load]
         if not below:
             return False
@@ -317,12 +334,19 @@ class PairGuard:
         decision = self._decided_at[load]
         if decision.speculation_wins:
             return False
+        here = next((held for held in self._held_at if same_load(held, self.load)), self.load)
+        held_ms = self._held_at.get(here, 0.0)
+        if held_ms >= self._winner_ms(TARGET_ONLY, decision.rates, decision.last_ms, 1):
+            log.info("pair %s: target-only held at about %d rounds in flight for a winner's epoch already "
+                     "(speculating lost at %d): measuring here", self.name, self.load, load)
+            return False
         was = self._settled_winner
         self._provisional_from = None
         self.speculation_wins = False
         self.rates, self._last_ms = dict(decision.rates), dict(decision.last_ms)
         self.first_rounds = FirstRounds()
         self.streak = 1
+        self._next_hold = here
         log.log(self._level_of(was), "pair %s: target-only holds, as speculating lost at %d rounds in flight "
                 "(to be measured at %d)", self.name, load, self.load)
         if was:
@@ -424,14 +448,20 @@ class PairGuard:
         loser = TARGET_ONLY if mode == SPECULATE else SPECULATE
         if mode != self.winner or self.rates[loser] is None:  # measuring, or nothing yet to compare with
             return rounds, 0.0
-        factor = 4.0 * min(2 ** self.streak, self.settings.max_stretch)
-        compared = self.compared_rates()
+        return rounds, self._winner_ms(mode, self.compared_rates(), self._last_ms, self.streak)
+
+    def _winner_ms(self, mode: str, compared: dict[str, float | None], last_ms: dict[str, float],
+                   streak: int) -> float:
+        """Counted ms of a winner's epoch of `mode` (see _length), from the compared rates, the
+        modes' last epochs and the confirmations so far."""
+        loser = TARGET_ONLY if mode == SPECULATE else SPECULATE
+        factor = 4.0 * min(2 ** streak, self.settings.max_stretch)
         won, lost = compared[mode], compared[loser]
-        if won:
+        if won and lost is not None:
             # The further behind the loser, the more its epochs cost: long enough that they cost
             # about MEASUREMENT_COST of the pair's throughput (a loser at 0.6x: 13x its time).
             factor = max(factor, max(0.0, 1.0 - lost / won) / MEASUREMENT_COST)
-        return rounds, min(factor, 4.0 * self.settings.max_stretch) * self._last_ms[loser]
+        return min(factor, 4.0 * self.settings.max_stretch) * last_ms[loser]
 
     def _end_epoch(self) -> None:
         self.rates[self.mode] = self._tokens / self._ms
@@ -443,9 +473,14 @@ class PairGuard:
         self._begin_epoch(self.winner if measured else (TARGET_ONLY if self.mode == SPECULATE else SPECULATE))
 
     def _begin_epoch(self, mode: str) -> None:
+        if self._holding is not None:  # an assumed hold ended, run out or cut short: its time counts at its load
+            self._held_at[self._holding] = self._held_at.get(self._holding, 0.0) + self._ms
+        self._holding, self._next_hold = self._next_hold, None
         self.mode = mode
         self.epoch += 1
         self._needed_rounds, self._needed_ms = self._length(mode)
+        if self._holding is not None:  # what earlier visits held there counts towards this one
+            self._needed_ms = max(0.0, self._needed_ms - self._held_at.get(self._holding, 0.0))
         self._in_flight_peak = self.in_flight
         self._epoch_load = self.load
         self._counted, self._drafting, self._tokens, self._ms = 0, 0, 0.0, 0.0
@@ -474,6 +509,8 @@ class PairGuard:
         # Remembered for this load, in place of what was decided at about the same load before.
         for load in [load for load in self._decided_at if same_load(load, self._epoch_load)]:
             del self._decided_at[load]
+        for load in [load for load in self._held_at if same_load(load, self._epoch_load)]:
+            del self._held_at[load]  # compared here now: no longer held on a lower load's word
         self._decided_at[self._epoch_load] = Decision(wins, dict(self.rates), copy.copy(self.first_rounds),
                                                       dict(self._last_ms))
         self.streak = self.streak + 1 if wins == self.speculation_wins and not provisional else 0
