@@ -94,10 +94,6 @@ class SpeculationConfig:
     guard_rounds_per_session: int = field(default=4, metadata=_doc(
         "Pair guard: every epoch also counts at least this many rounds per round in flight at once on "
         "the pair (32 at 8 streams), so that a short epoch is more than one batched step (0 = off)."))
-    guard_early_stop_z: float = field(default=2.0, metadata=_doc(
-        "Pair guard: a speculating probe (while target-only wins) ends at half its rounds when its "
-        "rate plus this many standard errors is still below target-only's; a close one runs in full "
-        "(0 = off)."))
     heuristic_initial_k: int = field(default=4, metadata=_doc("First k of the `heuristic` policy."))
     probe_every: int = field(default=16, metadata=_doc(
         "`cost` policy: after this many target-only rounds, draft one token to re-measure acceptance "
@@ -154,8 +150,7 @@ class SpeculationConfig:
 
     def guard_settings(self) -> GuardSettings:
         return GuardSettings(spec_rounds=self.guard_spec_rounds, off_rounds=self.guard_off_rounds,
-                             margin=self.guard_margin, rounds_per_session=self.guard_rounds_per_session,
-                             early_stop_z=self.guard_early_stop_z)
+                             margin=self.guard_margin, rounds_per_session=self.guard_rounds_per_session)
 
     def with_override(self, override: SpeculationOverride) -> "SpeculationConfig":
         """A request's view of the config. Precedence: request fixed_k > request fields > server."""

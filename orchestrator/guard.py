@@ -18,9 +18,6 @@ How many rounds an epoch needs grows with the pair's concurrency: at least round
 per round in flight at once, so that at 8 streams a target-only probe is not one batched step, whose
 rate a single neighbour's prompt chunk in the batch decides (seen on a 2-core CPU: one such probe measured
 target-only 20 % low and kept a losing speculation on for another 40 s).
-A speculating probe that is clearly behind (its rate plus early_stop_z standard errors below
-target-only's) ends at half its rounds (`_probe_clearly_loses`): a sequential test, so that exploring a
-load where speculation loses costs half as much, while a close comparison still gets the whole probe.
 
 A decision holds for the load it was measured at. When the pair's concurrency (the most guarded
 rounds in flight over the last LOAD_WINDOW decisions) moves LOAD_SHIFT times above or below what it
@@ -123,7 +120,6 @@ class GuardSettings:
     margin: float = 0.03    # the other mode must win by this fraction to flip the decision
     max_stretch: int = 16   # the winner's epochs last 4x the other mode's last epoch, x2 per confirmation, up to 4x this
     rounds_per_session: int = 4  # an epoch counts at least this many rounds per round in flight at once (0: off)
-    early_stop_z: float = 2.0  # a speculating probe clearly behind ends at half its rounds (_probe_clearly_loses; 0: off)
 
     def validate(self) -> "GuardSettings":
         counts = (self.spec_rounds, self.off_rounds, self.max_stretch)
@@ -134,8 +130,6 @@ class GuardSettings:
             raise ValueError(f"guard rounds_per_session must be an integer >= 0, got {per_session!r}")
         if not 0.0 <= self.margin < 1.0:  # also rejects NaN
             raise ValueError(f"guard margin must be in [0, 1), got {self.margin}")
-        if not 0.0 <= self.early_stop_z < math.inf:  # also rejects NaN
-            raise ValueError(f"guard early_stop_z must be a finite number >= 0, got {self.early_stop_z}")
         return self
 
 
@@ -224,7 +218,6 @@ class PairGuard:
         self._drafting = 0    # counted rounds that drafted
         self._tokens = 0.0
         self._ms = 0.0
-        self._squares = (0.0, 0.0, 0.0)  # the counted rounds' sums of tokens^2, ms^2, tokens*ms
 
     def __deepcopy__(self, memo: dict) -> "PairGuard":
         return self
@@ -406,34 +399,8 @@ class PairGuard:
         self._drafting += int(drafted)
         self._tokens += tokens
         self._ms += round_ms
-        tt, mm, tm = self._squares
-        self._squares = (tt + tokens * tokens, mm + round_ms * round_ms, tm + tokens * round_ms)
         if self._counted >= self.needed_rounds and self._ms >= self._needed_ms:
             self._end_epoch()
-        elif self._probe_clearly_loses():
-            log.info("pair %s: speculating probe ended after %d of %d rounds, clearly behind (%.2f tok/s per "
-                     "session, target-only %.2f)", self.name, self._counted, self.needed_rounds,
-                     self._tokens / self._ms * 1000.0, (self.rates[TARGET_ONLY] or 0.0) * 1000.0)
-            self._end_epoch()
-
-    def _probe_clearly_loses(self) -> bool:
-        """A speculating probe (target-only won, or holds provisionally) ends once it has half its
-        rounds if its steady rate, plus early_stop_z standard errors, is still below target-only's
-        last rate: a sequential test. A clear loss needs no more rounds to be decided, and each
-        of them costs throughput; a close one runs the whole probe. (In the traces of loadtest runs
-        45-54, 2-core Zen 5, z = 2 ended every probe that lost by 13 % or more, at 16-27 of its
-        32-35 steady rounds, and none that won or lost by less.) The standard error is the ratio
-        estimator's, from the rounds' tokens and times; the decision that follows is the usual one."""
-        z, off = self.settings.early_stop_z, self.rates[TARGET_ONLY]
-        if z <= 0 or self.mode != SPECULATE or self.speculation_wins or off is None:
-            return False
-        if self._counted < 2 or 2 * self._counted < self.needed_rounds or self._ms <= 0:
-            return False
-        n, rate = self._counted, self._tokens / self._ms
-        tt, mm, tm = self._squares
-        residuals = max(0.0, tt - 2.0 * rate * tm + rate * rate * mm)  # sum of (tokens - rate * ms)^2
-        error = math.sqrt(residuals / (n * (n - 1))) / (self._ms / n)
-        return rate + z * error < off
 
     @property
     def turn_tokens(self) -> float | None:
@@ -517,7 +484,6 @@ class PairGuard:
         self._in_flight_peak = self.in_flight
         self._epoch_load = self.load
         self._counted, self._drafting, self._tokens, self._ms = 0, 0, 0.0, 0.0
-        self._squares = (0.0, 0.0, 0.0)
 
     def _decide(self) -> None:
         compared = self.compared_rates()

@@ -55,12 +55,11 @@ def test_where_target_only_wins_the_pair_stops_speculating_after_one_measurement
     assert not guard.speculation_wins and guard.flips == 1
     # The first speculating epoch and one measurement decide it. Then target-only holds for the time
     # of the last speculating epoch (6400 ms) x max(4, loss 25 % / MEASUREMENT_COST) = 53.3 s, 1067
-    # rounds; then a probe, which ends at half its 32 rounds: 16 rounds without spread, all behind
-    # (early_stop_z). The hold after it is sized on that shorter probe.
+    # rounds; then a probe of 32 rounds.
     hold = math.ceil(6400.0 * 0.25 / MEASUREMENT_COST / 50.0)
     assert hold == 1067
     assert ks[:32] == [4] * 32 and ks[32:32 + 8 + hold] == [0] * (8 + hold)
-    assert ks[40 + hold:56 + hold] == [4] * 16 and ks[56 + hold] == 0
+    assert ks[40 + hold:72 + hold] == [4] * 32
     spec_ms = 200.0 * ks[32:].count(4)
     off_ms = 50.0 * ks[32:].count(0)
     # The losing mode's share of the pair's time, about MEASUREMENT_COST / loss at most, falling.
@@ -322,8 +321,7 @@ def play_batched(guard: PairGuard, batches: int, width: int, spec_round: tuple[i
 
 
 def test_a_shift_in_load_starts_a_new_comparison_instead_of_holding_the_old_decision() -> None:
-    # Whole probes (early_stop_z=0): the epochs counted below are 32-round probes and holds sized on them.
-    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8, early_stop_z=0.0))
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
     # One session: speculating wins (30 against 20 tok/s) and the winner's epochs grow long.
     play_batched(guard, 2000, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
     assert guard.speculation_wins and guard.streak >= 3 and guard.load_restarts == 0
@@ -391,8 +389,7 @@ def test_a_load_that_comes_back_gets_the_decision_taken_at_it_instead_of_a_new_e
 
 def test_a_rise_above_a_load_where_speculation_lost_holds_target_only_before_probing_it(
         caplog: pytest.LogCaptureFixture) -> None:
-    # Whole probes (early_stop_z=0): the epochs counted below are 32-round probes and holds sized on them.
-    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8, early_stop_z=0.0))
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
     play_batched(guard, 400, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
     play_batched(guard, 40, 4, spec_round=(3, 400.0), off_round=(1, 60.0))  # explored at 4: target-only won
     assert not guard.speculation_wins and [d.speculation_wins for d in guard._decided_at.values()] == [True, False]
@@ -457,8 +454,7 @@ def test_a_hold_on_a_loss_below_is_one_winners_epoch_over_all_visits_to_the_load
 
 def test_a_loss_remembered_at_a_lower_load_holds_target_only_after_a_rise_from_speculating(
         caplog: pytest.LogCaptureFixture) -> None:
-    # Whole probes (early_stop_z=0): the epochs counted below are 32-round probes and holds sized on them.
-    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8, early_stop_z=0.0))
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
     play_batched(guard, 400, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
     play_batched(guard, 40, 4, spec_round=(3, 400.0), off_round=(1, 60.0))  # target-only won at 4 (ramp: 3)
     play_batched(guard, 100, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
@@ -473,67 +469,6 @@ def test_a_loss_remembered_at_a_lower_load_holds_target_only_after_a_rise_from_s
     assert modes == [TARGET_ONLY] * 300 and guard.decisions == decisions and guard.streak == 1
     assert [r.message for r in caplog.records if "speculating lost" in r.message] == [
         "pair pair: target-only holds, as speculating lost at 4 rounds in flight (to be measured at 6)"]
-
-
-def play_cycle(guard: PairGuard, rounds: int, spec_cycle: list[tuple[int, float]],
-               off_round: tuple[int, float]) -> list[int]:
-    """As play(), with the speculating rounds' (tokens, ms) taken in turn from spec_cycle (a spread)."""
-    ks, turn = [], 0
-    for _ in range(rounds):
-        ticket = guard.decide()
-        if ticket.mode == SPECULATE:
-            tokens, ms = spec_cycle[turn % len(spec_cycle)]
-            turn += 1
-        else:
-            tokens, ms = off_round
-        guard.observe(ticket, tokens, ms, steady=True, drafted=ticket.mode == SPECULATE)
-        ks.append(4 if ticket.mode == SPECULATE else 0)
-    return ks
-
-
-def speculating_runs(ks: list[int]) -> list[int]:
-    """The lengths of the runs of speculating rounds, in order."""
-    runs: list[int] = []
-    for previous, k in zip([0] + ks, ks):
-        if k and not previous:
-            runs.append(0)
-        if k:
-            runs[-1] += 1
-    return runs
-
-
-@pytest.mark.parametrize("case", ["clearly behind", "close, with spread", "test off"])
-def test_a_speculating_probe_clearly_behind_ends_at_half_its_rounds_and_a_close_one_runs_in_full(
-        case: str, caplog: pytest.LogCaptureFixture) -> None:
-    # Speculating makes 1 or 3 tokens in 100 ms (20 tok/s) against 1 in 35 (28.6) target-only: 30 %
-    # behind, well outside its spread. Close: 1 or 4 tokens in 100 ms (25 tok/s), 12.5 % behind but
-    # within two standard errors of its rate until the probe's end (the comparison then decides it).
-    spec_cycle = [(1, 100.0), (4, 100.0)] if case == "close, with spread" else [(1, 100.0), (3, 100.0)]
-    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8, early_stop_z=0.0 if case == "test off" else 2.0))
-    with caplog.at_level(logging.INFO, logger="orchestrator.guard"):
-        ks = play_cycle(guard, 6000, spec_cycle, off_round=(1, 35.0))
-    runs = speculating_runs(ks)
-    assert not guard.speculation_wins and len(runs) >= 3
-    # The pair's first epoch speculates as the winner (nothing to compare with yet): whole, whatever it
-    # measures. Then the probes, while target-only wins.
-    assert runs[0] == 32
-    if case == "clearly behind":
-        assert runs[1:] == [16] * (len(runs) - 1)
-        assert "speculating probe ended after 16 of 32 rounds, clearly behind (20.00 tok/s per session, " \
-               "target-only 28.57)" in caplog.text
-    else:
-        assert runs[1:-1] == [32] * (len(runs) - 2) and "clearly behind" not in caplog.text
-    assert guard.decisions == len(runs) - (ks[-1] == 4)  # an early end decides like a whole probe
-
-
-def test_a_speculating_probe_after_a_rise_ends_early_when_clearly_behind() -> None:
-    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
-    play_batched(guard, 2000, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
-    # Eight sessions, drafting now costs everyone (7.5 against 16.7 tok/s): after the provisional
-    # target-only epoch, the speculating probe ends at 16 of its 32 rounds (2 batches, not 4).
-    modes = play_batched(guard, 12, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
-    assert modes == [TARGET_ONLY] * 5 + [SPECULATE] * 2 + [TARGET_ONLY] * 5
-    assert not guard.speculation_wins and guard._decided_at[8].rates[SPECULATE] == pytest.approx(3 / 400.0)
 
 
 def test_a_rise_above_a_load_where_speculation_won_is_measured_at_once() -> None:
@@ -645,13 +580,11 @@ def test_the_guard_applies_to_policies_that_choose_k_zero_themselves() -> None:
     assert config.with_override(SpeculationOverride(policy="bandit")).guarded
     assert not config.with_values({"guard": False}, "test").guarded
     settings = config.with_values({"guard_spec_rounds": 5, "guard_off_rounds": 2, "guard_margin": 0.1,
-                                   "guard_rounds_per_session": 0, "guard_early_stop_z": 3.0}, "test").guard_settings()
-    assert (settings.spec_rounds, settings.off_rounds, settings.margin, settings.rounds_per_session,
-            settings.early_stop_z) == (5, 2, 0.1, 0, 3.0)
+                                   "guard_rounds_per_session": 0}, "test").guard_settings()
+    assert (settings.spec_rounds, settings.off_rounds, settings.margin, settings.rounds_per_session) == (5, 2, 0.1, 0)
     for bad in ({"guard_spec_rounds": 0}, {"guard_off_rounds": 0}, {"guard_margin": 1.0},
                 {"guard_rounds_per_session": -1}, {"guard_rounds_per_session": 2.5},
-                {"guard_margin": float("nan")}, {"guard": 1}, {"guard_early_stop_z": -1.0},
-                {"guard_early_stop_z": float("nan")}, {"guard_early_stop_z": float("inf")}):
+                {"guard_margin": float("nan")}, {"guard": 1}):
         with pytest.raises(SpeculationConfigError):
             config.with_values(bad, "test")
     with pytest.raises(ValueError):
