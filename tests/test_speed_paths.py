@@ -118,6 +118,24 @@ def test_a_cpu_that_refuses_packing_keeps_the_dense_paths(monkeypatch: pytest.Mo
         linear_path.packing_supported.cache_clear()  # the next test probes the real oneDNN again
 
 
+def test_a_slow_spell_costs_every_path_one_run_not_one_path_all_its_runs() -> None:
+    """Paths timed in turn: a slow spell (10x) as long as one round of the paths spoils one run of
+    each, and the best of two still finds each path's own cost. (Timed one path after the other, the
+    same spell would fall on both timed runs of the path then running.)"""
+    now = [0.0]
+    spell = (1.5, 12.0)  # from the end of the warm-ups (1 + 0.5 ms) to the end of the first round
+
+    def path(cost_ms: float):
+        def run() -> None:
+            slow = spell[0] <= now[0] < spell[1]
+            now[0] += cost_ms * (10.0 if slow else 1.0)
+        return run
+
+    ms = linear_path.best_ms({"linear": path(1.0), "packed": path(0.5)}, reps=2, clock=lambda: now[0] / 1000.0)
+    assert ms == pytest.approx({"linear": 1.0, "packed": 0.5})
+    assert now[0] == pytest.approx(1.5 + (10.0 + 5.0) + 1.5)  # warm-ups, the spoiled round, a clean one
+
+
 def test_tied_weights_are_never_packed() -> None:
     """Packing a weight another module also holds would keep two copies of it."""
     model = load_model("tiny:seed=0").model
