@@ -304,6 +304,8 @@ def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float) -> Pat
     if device.type != "cpu" or budget_s <= 0:
         return PathChoice()
     choice = measure(model, max_m, budget_s)
+    started = time.monotonic()
     swapped = apply(model, choice)
-    log.info("GEMM path (%.1fs, %d linears swapped): %s", choice.seconds, swapped, choice.summary())
+    log.info("GEMM path (%.1fs measuring, %.1fs swapping in, %d linears swapped): %s", choice.seconds,
+             time.monotonic() - started, swapped, choice.summary())
     return choice

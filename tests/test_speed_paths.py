@@ -282,6 +282,22 @@ async def test_workers_report_their_curve_in_get_info() -> None:
         servicer.close()
 
 
+def test_swapping_the_paths_in_is_not_charged_to_the_cost_curve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packing a large model's weights takes seconds whatever the budget: charged to the budget, it
+    left the curve only its always-measured points."""
+    import time
+
+    def slow_swap(model: torch.nn.Module, max_m: int, budget_s: float) -> linear_path.PathChoice:
+        time.sleep(0.6)  # swapping in, longer than the whole budget
+        return linear_path.PathChoice(seconds=0.05)  # what measuring took
+
+    monkeypatch.setattr(linear_path, "choose_and_apply", slow_swap)
+    core = WorkerCore(load_model("tiny:seed=0"), "target")
+    calibrate(core, max_k=3, budget_s=0.5)
+    # 1..max_k + 1 and the batched rows, not only the end points and the largest load.
+    assert sorted({t for t, _, _ in core.cost_curve.points}) == [1, 2, 3, 4, 16, 32, 64]
+
+
 # ----------------------------------------------------------------------------- seeding the policy
 
 def describe(points: tuple[tuple[int, int, float], ...]) -> WorkerDescription:
