@@ -100,7 +100,7 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float) -> None:
     core.gemm_path = paths.summary()
     # The budget bounds measuring. Swapping the chosen paths in (packing, owning the tensors) takes
     # what the model's size takes (about 13 s for the 1.5B float32 target on 2 Zen 5 cores) and is
-    # not charged to the curve: charged, it left the curve about 2 s in some startups, 3 points
+    # not charged to the curve: charged, it left the curve about 2 s in some startups, 3 or 4 points
     # measured instead of 12 (loadtest runs 52, 55, 57).
     left = budget_s - paths.seconds
     # The orchestrator prices rounds at the short context; a longer one is measured (and reported for
