@@ -85,7 +85,9 @@ def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int,
 
 
 def calibrate(core: WorkerCore, max_k: int, budget_s: float) -> None:
-    """At worker startup: choose the GEMM path (CPU), then measure the cost curve, within budget_s.
+    """At worker startup: choose the GEMM path (CPU), then measure the cost curve, within budget_s of
+    measuring. Swapping the chosen paths in (packing the weights) comes on top: seconds for a 1.5B
+    float32 model, more for larger ones.
 
     The draft forwards 1 token per drafting step and up to 2 on catch-up; the target verifies up to
     max_k + 1. Contexts: a short and a longer prompt, the second only as far as the budget allows.
@@ -93,15 +95,15 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float) -> None:
     from specdec import linear_path
     if budget_s <= 0:
         return
-    started = time.monotonic()
     max_tokens = 2 if core.role == "draft" else max_k + 1
     # Row counts for the GEMM path: a session's own steps, and up to 16 rows of batched sessions.
     paths = linear_path.choose_and_apply(core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s / 2)
     core.gemm_path = paths.summary()
     # The budget bounds measuring. Swapping the chosen paths in (packing, owning the tensors) takes
-    # what the model's size takes (about 13 s for the 1.5B float32 target on 2 Zen 5 cores) and is
-    # not charged to the curve: charged, it left the curve about 2 s in some startups, 3 or 4 points
-    # measured instead of 12 (loadtest runs 52, 55, 57).
+    # what the model's size and the page cache make it (7.6-12.8 s measured for the 1.5B float32
+    # target on 2 Zen 5 cores) and is not charged to the curve: charged, it left the curve little or
+    # none of the budget in some startups, only its always-measured points (3 or 4 of 12; loadtest
+    # runs 52, 55, 57).
     left = budget_s - paths.seconds
     # The orchestrator prices rounds at the short context; a longer one is measured (and reported for
     # operators) only with budget to spare. The end points of the short one are always measured.

@@ -162,14 +162,15 @@ def _ranges(ms: frozenset[int]) -> str:
 def best_ms(runs: dict[str, Callable[[], object]], reps: int,
             clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Per path, the fastest of `reps` runs after a warm-up (contention only adds time), the paths
-    in turn: a slow spell of the machine then costs each path one run, not all runs of one path.
-    (Timed path after path, the draft's packed LM head once lost to F.linear, loadtest run 56 on
-    the Zen 5, where the five runs before had measured it 1.4-3.5x faster.)"""
+    in turn, the order rotated each round (no path always runs after the same one): a slow spell of
+    the machine then costs each path one run, not all runs of one path. (Timed path after path, the
+    draft's packed LM head once lost to F.linear, loadtest run 56 on the Zen 5.)"""
     for run in runs.values():
         run()  # warm-up: allocations, kernel choice
     best = {path: math.inf for path in runs}
-    for _ in range(max(1, reps)):
-        for path, run in runs.items():
+    order = list(runs.items())
+    for i in range(max(1, reps)):
+        for path, run in order[i % len(order):] + order[:i % len(order)]:
             start = clock()
             run()
             best[path] = min(best[path], clock() - start)

@@ -119,11 +119,11 @@ def test_a_cpu_that_refuses_packing_keeps_the_dense_paths(monkeypatch: pytest.Mo
 
 
 def test_a_slow_spell_costs_every_path_one_run_not_one_path_all_its_runs() -> None:
-    """Paths timed in turn: a slow spell (10x) as long as one round of the paths spoils one run of
-    each, and the best of two still finds each path's own cost. (Timed one path after the other, the
-    same spell would fall on both timed runs of the path then running.)"""
+    """Paths timed in turn: a slow spell (10x) as long as a round of the paths spoils at most one run
+    of each, and the best of two still finds each path's own cost. Timed back to back, the same spell
+    spoils both timed runs of the path it falls on."""
     now = [0.0]
-    spell = (1.5, 12.0)  # from the end of the warm-ups (1 + 0.5 ms) to the end of the first round
+    spell = (1.0, 12.0)
 
     def path(cost_ms: float):
         def run() -> None:
@@ -131,9 +131,16 @@ def test_a_slow_spell_costs_every_path_one_run_not_one_path_all_its_runs() -> No
             now[0] += cost_ms * (10.0 if slow else 1.0)
         return run
 
-    ms = linear_path.best_ms({"linear": path(1.0), "packed": path(0.5)}, reps=2, clock=lambda: now[0] / 1000.0)
+    def clock() -> float:
+        return now[0] / 1000.0
+
+    ms = linear_path.best_ms({"linear": path(1.0), "packed": path(0.5)}, reps=2, clock=clock)
     assert ms == pytest.approx({"linear": 1.0, "packed": 0.5})
-    assert now[0] == pytest.approx(1.5 + (10.0 + 5.0) + 1.5)  # warm-ups, the spoiled round, a clean one
+    # Warm-ups (the packed one in the spell), a round in the spell (linear spoiled), a clean round
+    # in the other order.
+    assert now[0] == pytest.approx(1.0 + 5.0 + (10.0 + 0.5) + (0.5 + 1.0))
+    now[0] = 0.0
+    assert linear_path.best_ms({"linear": path(1.0)}, reps=2, clock=clock) == {"linear": pytest.approx(10.0)}
 
 
 def test_tied_weights_are_never_packed() -> None:
@@ -282,18 +289,26 @@ async def test_workers_report_their_curve_in_get_info() -> None:
         servicer.close()
 
 
-def test_swapping_the_paths_in_is_not_charged_to_the_cost_curve(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_swapping_the_paths_in_is_not_charged_to_the_cost_curve(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     """Packing a large model's weights takes seconds whatever the budget: charged to the budget, it
-    left the curve only its always-measured points."""
+    left the curve only its always-measured points. A fake clock: swapping in takes 100 s."""
+    import logging
     import time
+    offset = [0.0]
+    real_monotonic = time.monotonic
+    monkeypatch.setattr(time, "monotonic", lambda: real_monotonic() + offset[0])
 
-    def slow_swap(model: torch.nn.Module, max_m: int, budget_s: float) -> linear_path.PathChoice:
-        time.sleep(0.6)  # swapping in, longer than the whole budget
-        return linear_path.PathChoice(seconds=0.05)  # what measuring took
+    def slow_apply(model: torch.nn.Module, choice: linear_path.PathChoice) -> int:
+        offset[0] += 100.0
+        return 0
 
-    monkeypatch.setattr(linear_path, "choose_and_apply", slow_swap)
+    monkeypatch.setattr(linear_path, "measure", lambda model, max_m, budget_s: linear_path.PathChoice(seconds=0.5))
+    monkeypatch.setattr(linear_path, "apply", slow_apply)
     core = WorkerCore(load_model("tiny:seed=0"), "target")
-    calibrate(core, max_k=3, budget_s=0.5)
+    with caplog.at_level(logging.INFO, logger="specdec.linear_path"):
+        calibrate(core, max_k=3, budget_s=30)
+    assert "(0.5s measuring, 100.0s swapping in, 0 linears swapped)" in caplog.text
     # 1..max_k + 1 and the batched rows, not only the end points and the largest load.
     assert sorted({t for t, _, _ in core.cost_curve.points}) == [1, 2, 3, 4, 16, 32, 64]
 
