@@ -9,9 +9,11 @@ step while other calls join and leave: continuous batching.
 
 Rules:
 - Bounded: at most `max_batch` calls active, at most `max_queue` waiting; past that, submit() raises
-  QueueFull (RESOURCE_EXHAUSTED) with a retry hint from the measured step time.
+  QueueFull (RESOURCE_EXHAUSTED) with a retry hint from the measured step time (0: no waiting room;
+  an EndSession, which takes no slot, is never refused).
 - Fair: calls are admitted first come first served, and inside the active set the step that has
   waited longest goes first; a step left out by the token cap is the oldest next time, so none starves.
+  While a prompt waits, decode steps leave it MIN_PROMPT_CHUNK rows of the cap.
   A single step over `max_batch_tokens` (a long prefill) runs alone when its turn comes.
 - Chunked prefill: while other calls share the forward, the prompts in it (steps longer than a
   decode step) get at most `prefill_chunk` rows between them; a longer prompt runs in chunks over
@@ -246,7 +248,11 @@ class BatchScheduler:
         with self._cond:
             if self._closed:
                 raise WorkerUnavailable("worker is shutting down")
-            if self._queued() >= self.limits.max_queue:
+            # Refused only if this call would itself wait beyond the free slots past max_queue (0: no
+            # waiting room, yet an idle worker still takes a call). An EndSession takes no slot and
+            # frees memory: never refused for load.
+            free = max(0, self.limits.max_batch - len(self._active))
+            if not ends_session and max(0, len(self._waiting) + 1 - free) > self.limits.max_queue:
                 self.rejected += 1
                 retry_ms = self._retry_after_ms()
                 raise QueueFull(f"worker busy: {len(self._active)} calls in the batch and {len(self._waiting)} "
@@ -444,6 +450,11 @@ class BatchScheduler:
             ready = decoding + [j for j in ready if len(j.pending.tokens) > DECODE_STEP_ROWS]
         prefill_left: int | None = None  # sized at the first prompt, against the decode rows before it
         itl_bound = self.limits.prefill_itl_factor > 0 and bool(self.limits.prefill_curve)
+        # Decode steps leave a waiting prompt MIN_PROMPT_CHUNK rows of the cap: with many sessions
+        # verifying many drafts they could fill every forward's max_batch_tokens, and the prompt would
+        # get no row (or one) per forward until its deadline.
+        prompt_ready = chunking and any(len(j.pending.tokens) > DECODE_STEP_ROWS for j in ready)
+        decode_cap = self.limits.max_batch_tokens - (MIN_PROMPT_CHUNK if prompt_ready else 0)
         batch: list[tuple[_Job, Any, bool]] = []
         rows = decode_rows = 0
         for job in ready:
@@ -462,7 +473,7 @@ class BatchScheduler:
                 elif size > take and batch:
                     continue  # no room for it in this forward's prompt budget: first in line next time
                 prefill_left = max(0, prefill_left - size)
-            elif batch and rows + size > self.limits.max_batch_tokens:
+            elif batch and rows + size > (decode_cap if chunking and not prompt else self.limits.max_batch_tokens):
                 continue  # a smaller step behind it may still fit; this one is oldest next time
             batch.append((job, step, prompt))
             rows += size
@@ -523,6 +534,10 @@ class BatchScheduler:
             self.batched_sessions += len(batch)
             self.prefill_chunks += any(job.pending is not None for job, _, _ in batch)
         for (job, _, _), output in zip(batch, outputs):
+            if isinstance(output, Exception):  # this step's own failure (steps run one at a time)
+                self._close_steps(job)
+                self._fail(job, output)
+                continue
             job.load.forwards += 1
             job.load.batch_sessions += len(batch)
             job.load.batch_rows += rows

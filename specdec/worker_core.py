@@ -170,14 +170,18 @@ class WorkerCore:
         self._fed(session, tokens)
         return out.logits[0].float()
 
-    def feed_many(self, steps: Sequence[ForwardStep]) -> list[torch.Tensor]:
+    def feed_many(self, steps: Sequence[ForwardStep]) -> list[torch.Tensor | Exception]:
         """Run several sessions' steps as one ragged forward (one step, or no ragged support: alone).
-        Each session appears at most once (the scheduler runs one call per session at a time)."""
+        Each session appears at most once (the scheduler runs one call per session at a time). Run
+        one at a time, a step that fails returns its exception as its output, which fails its own call
+        only; one ragged forward fails as a whole."""
         for step in steps:
             if step.crop_to >= 0:
                 self.truncate(step.session, step.crop_to)
-        if len(steps) == 1 or self._ragged is None:
-            return [self.feed(s.session, s.tokens, s.logits_rows) for s in steps]
+        if len(steps) == 1:
+            return [self.feed(steps[0].session, steps[0].tokens, steps[0].logits_rows)]
+        if self._ragged is None:  # one forward per step: a step's failure is its own (its output)
+            return [self._feed_or_error(s) for s in steps]
         from specdec.ragged import RaggedItem
         try:
             outputs = self._ragged([RaggedItem(s.session.cache, s.tokens, s.logits_rows) for s in steps])
@@ -188,6 +192,13 @@ class WorkerCore:
         for step in steps:
             self._fed(step.session, step.tokens)
         return outputs
+
+    def _feed_or_error(self, step: ForwardStep) -> torch.Tensor | Exception:
+        try:
+            return self.feed(step.session, step.tokens, step.logits_rows)
+        except Exception as exc:  # noqa: BLE001 - handed to the step's own call by the scheduler
+            log.exception("forward of one step failed")
+            return exc
 
     def _discard(self, session: WorkerSession) -> None:
         # Some layers may have appended to the cache before a failure: nothing in it can be trusted.

@@ -120,6 +120,27 @@ def test_unsupported_architectures_run_one_forward_per_step() -> None:
     assert [s.tokens for s in sessions] == [[5, 6], [7]]
 
 
+def test_run_one_at_a_time_a_steps_failure_is_its_own() -> None:
+    """Without ragged batching the steps of a forward run one after another: a step that fails
+    (out of memory, say) returns its error as its output, and the steps that ran keep theirs."""
+    core = WorkerCore(load_model("tiny:seed=0"), "target")
+    core._ragged = None
+    good, bad = WorkerSession(new_cache(core.model)), WorkerSession(new_cache(core.model))
+    feed = core.feed
+
+    def feed_failing_for_bad(session, tokens, logits_rows=0):
+        if session is bad:
+            raise RuntimeError("out of memory (bad only)")
+        return feed(session, tokens, logits_rows)
+
+    core.feed = feed_failing_for_bad
+    out = core.feed_many([ForwardStep(good, [5, 6, 7], 1), ForwardStep(bad, [8], 1)])
+    assert isinstance(out[0], torch.Tensor) and out[0].shape[0] == 1 and good.tokens == [5, 6, 7]
+    assert isinstance(out[1], RuntimeError) and bad.tokens == []
+    with pytest.raises(RuntimeError):  # a step alone still raises, as before
+        core.feed_many([ForwardStep(bad, [8], 1)])
+
+
 def test_a_step_split_into_prefill_chunks_feeds_what_the_whole_step_does() -> None:
     core = WorkerCore(load_model("tiny:seed=0", torch.float32), "target")
     prompt = [random.Random(5).randrange(3, 250) for _ in range(23)]

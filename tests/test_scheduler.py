@@ -169,6 +169,38 @@ def test_full_queue_is_refused_with_a_retry_hint(forward) -> None:
         scheduler.close()
 
 
+def test_max_queue_zero_means_no_waiting_room_not_no_calls(forward) -> None:
+    scheduler = make_scheduler(forward, max_batch=1, max_queue=0)
+    try:
+        assert scheduler.submit("a", call("a"))[0].result(WAIT_S) == [1]  # an idle worker takes a call
+        running, _ = submit_held(scheduler, forward, "b", call("b"))
+        with pytest.raises(QueueFull):  # the one slot is taken and there is no waiting room
+            scheduler.submit("c", call("c"))
+        # An EndSession takes no slot and frees memory: never refused for load.
+        ended, _ = scheduler.submit("a", call("a", steps=0), ends_session=True)
+        forward.gate.set()
+        assert running.result(WAIT_S) == [1] and ended.result(WAIT_S) == []
+        assert scheduler.rejected == 1
+    finally:
+        scheduler.close()
+
+
+def test_a_steps_own_failure_fails_only_its_call(forward) -> None:
+    """A forward that runs its steps one at a time hands back a step's exception as its output."""
+    def forward_failing_for_b(steps):
+        return [RuntimeError("b failed") if s.session == "b" else len(s.tokens) for s in steps]
+
+    scheduler = make_scheduler(forward_failing_for_b)
+    try:
+        futures = {s: scheduler.submit(s, call(s, steps=2))[0] for s in ("a", "b")}
+        assert futures["a"].result(WAIT_S) == [1, 1]
+        with pytest.raises(RuntimeError, match="b failed"):
+            futures["b"].result(WAIT_S)
+        assert scheduler.submit("b", call("b"))[0].exception(WAIT_S) is not None  # b's forward still fails
+    finally:
+        scheduler.close()
+
+
 def test_deadline_expiring_in_the_queue_or_between_steps_stops_the_call(forward) -> None:
     scheduler = make_scheduler(forward)
     log: list = []
@@ -582,6 +614,30 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(forward) -> No
         assert decode.result(WAIT_S) == [1] * 5
         assert [sorted(rows) for rows in forward.rows[:5]] == [[1], [1, 64], [1, 64], [1, 22], [1]]
         assert load.forwards == 3 and scheduler.prefill_chunks == 2
+    finally:
+        scheduler.close()
+
+
+def test_decode_steps_that_fill_the_row_cap_leave_a_waiting_prompt_its_chunk(forward) -> None:
+    """Many sessions verifying many drafts can fill max_batch_tokens with decode rows alone. They
+    leave a waiting prompt MIN_PROMPT_CHUNK (16) rows, so it moves every forward instead of waiting
+    for the decoders to end (or for its deadline)."""
+    scheduler = make_scheduler(forward, max_batch=3, max_batch_tokens=32, prefill_chunk=16)
+    try:
+        first, _ = submit_held(scheduler, forward, "a", call("a", steps=12, tokens=16))
+        other, _ = scheduler.submit("b", call("b", steps=12, tokens=16))
+        prompt, _ = scheduler.submit("p", prompt_call("p", 100), timeout_s=WAIT_S)
+        forward.gate.set()
+        assert prompt.result(WAIT_S) == 20  # its last step: the 20 rows left after 5 chunks of 16
+        assert first.result(WAIT_S) == [16] * 12 and other.result(WAIT_S) == [16] * 12
+        with_prompt = [i for i, batch in enumerate(forward.batches) if "p" in batch]
+        assert with_prompt == list(range(1, 7)), forward.batches  # from the first forward it could join
+        assert all(sum(rows) <= 32 for rows in forward.rows)
+        # The decoders keep moving: one of them beside each of the prompt's 16-row chunks (the
+        # 20-row rest runs as a decode step, the oldest, and alone: with either decoder it would
+        # pass the cap).
+        assert all(set(batch) - {"p"} for batch in forward.batches[1:6])
+        assert forward.batches[6] == ["p"] and forward.rows[6] == [20]
     finally:
         scheduler.close()
 
