@@ -171,16 +171,14 @@ class WorkerCore:
         return out.logits[0].float()
 
     def feed_many(self, steps: Sequence[ForwardStep]) -> list[torch.Tensor | Exception]:
-        """Run several sessions' steps as one ragged forward (one step, or no ragged support: alone).
-        Each session appears at most once (the scheduler runs one call per session at a time). Run
-        one at a time, a step that fails returns its exception as its output, which fails its own call
-        only; one ragged forward fails as a whole."""
+        """Run several sessions' steps as one ragged forward (one step, or no ragged support: alone;
+        then a step's failure is its output, for its own call). Each session at most once."""
         for step in steps:
             if step.crop_to >= 0:
                 self.truncate(step.session, step.crop_to)
         if len(steps) == 1:
             return [self.feed(steps[0].session, steps[0].tokens, steps[0].logits_rows)]
-        if self._ragged is None:  # one forward per step: a step's failure is its own (its output)
+        if self._ragged is None:
             return [self._feed_or_error(s) for s in steps]
         from specdec.ragged import RaggedItem
         try:
