@@ -168,6 +168,7 @@ class GenerationEngine:
 
     def _input_tokens(self, session: OrchestratorSession, params: GenerateParams) -> list[int]:
         """Canonical token list after appending this request's input to the session."""
+        session.check_input(chat=params.messages is not None)
         if params.prompt_ids is not None:
             return session.tokens + list(params.prompt_ids)
         if params.prompt is not None:
@@ -202,8 +203,7 @@ class GenerationEngine:
         deadline = Deadline(timeout_s)
         ephemeral = params.session_id is None
         session_id = params.session_id or f"tmp-{uuid.uuid4().hex}"
-        session = self.sessions.get_or_create(session_id, ephemeral,
-                                              lambda: self.prior_for(session_id).new_session())
+        session = self.sessions.get_or_create(session_id, ephemeral, lambda: self.prior_for(session_id).new_session())
         if session.lock.locked():
             raise SessionBusy(f"session {session_id!r} is busy with another request; retry when it finishes")
         async with session.lock:
@@ -220,10 +220,10 @@ class GenerationEngine:
                         completed = event.finish_reason is not None
                         yield event
             finally:
-                # All or nothing: a failed or cancelled turn leaves the session as it was, so a retry
-                # never sees the prompt twice.
+                # All or nothing: a failed or cancelled turn leaves the session as it was (no prompt twice).
                 if not completed:
                     session.tokens, session.messages = saved_tokens, saved_messages
+                self.sessions.touch(session)
                 if ephemeral:
                     self.sessions.remove(session_id)
                     self._end_on_workers(session)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.kpolicy import SessionStats
 from specdec.contract import Commit, common_prefix_len, prefix_hash
+from specdec.errors import CapacityExceeded, SessionInputConflict, SessionNotFound
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,24 @@ class OrchestratorSession:
     def draft_view(self) -> WorkerView:
         return self.draft_views.setdefault(self.draft_slot, WorkerView())
 
+    def check_input(self, chat: bool) -> None:
+        """A session keeps one kind of input: a chat's history is re-rendered each turn and cannot
+        carry raw text, and raw text after a chat would bypass its template."""
+        if self.messages and not chat:
+            raise SessionInputConflict(f"session {self.session_id!r} is a chat: continue it with messages")
+        if chat and self.tokens and not self.messages:
+            raise SessionInputConflict(f"session {self.session_id!r} holds a raw prompt: continue it with prompt "
+                                       "or prompt_ids, or start a new session for a chat")
+
 
 class OrchestratorSessions:
-    """Bounded: at most max_sessions (LRU) and idle TTL; evicted sessions end on the workers too."""
+    """Bounded: at most max_sessions (LRU) and idle TTL; evicted sessions end on the workers too.
+
+    A session's history lives only here: the next turn on an evicted or expired id is refused once
+    with NOT_FOUND (the id is remembered, up to TOMBSTONES of them), instead of quietly starting an
+    empty session that answers from the new input alone. The turn after that starts afresh."""
+
+    TOMBSTONES = 10_000
 
     def __init__(self, max_sessions: int, ttl_s: float,
                  on_evict: Callable[[OrchestratorSession], None],
@@ -77,6 +93,7 @@ class OrchestratorSessions:
         self._on_evict = on_evict
         self._clock = clock
         self._sessions: OrderedDict[str, OrchestratorSession] = OrderedDict()
+        self._gone: OrderedDict[str, str] = OrderedDict()  # evicted or expired named sessions -> why
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -89,12 +106,23 @@ class OrchestratorSessions:
         self._expire()
         session = self._sessions.get(session_id)
         if session is None:
+            why = self._gone.pop(session_id, None)
+            if why is not None:
+                raise SessionNotFound(f"session {session_id!r} {why}, and its history with it; send the "
+                                      "whole conversation again (this id now starts a new session)")
             session = OrchestratorSession(session_id, ephemeral, stats=new_stats())
             self._sessions[session_id] = session
-            self._enforce_limit()
+            self._enforce_limit(keep=session_id)
+            if len(self._sessions) > self.max_sessions:  # every other session is generating right now
+                del self._sessions[session_id]
+                raise CapacityExceeded(f"all {self.max_sessions} sessions are busy generating; retry later")
         session.last_used = self._clock()
         self._sessions.move_to_end(session_id)
         return session
+
+    def touch(self, session: OrchestratorSession) -> None:
+        """A turn ended: its session's idle time starts now, not when the turn began."""
+        session.last_used = self._clock()
 
     def remove(self, session_id: str) -> OrchestratorSession | None:
         return self._sessions.pop(session_id, None)
@@ -103,16 +131,20 @@ class OrchestratorSessions:
         now = self._clock()
         for sid in [s for s, sess in self._sessions.items()
                     if now - sess.last_used > self.ttl_s and not sess.lock.locked()]:
-            self._evict(sid)
+            self._evict(sid, f"expired after {self.ttl_s:g} s idle")
 
-    def _enforce_limit(self) -> None:
+    def _enforce_limit(self, keep: str) -> None:
         for sid in list(self._sessions):
             if len(self._sessions) <= self.max_sessions:
                 break
-            if not self._sessions[sid].lock.locked():
-                self._evict(sid)
+            if sid != keep and not self._sessions[sid].lock.locked():
+                self._evict(sid, f"was evicted (more than {self.max_sessions} sessions)")
 
-    def _evict(self, session_id: str) -> None:
+    def _evict(self, session_id: str, why: str) -> None:
         session = self._sessions.pop(session_id)
-        log.info("evicting orchestrator session %s", session_id)
+        log.info("evicting orchestrator session %s: %s", session_id, why)
+        if not session.ephemeral:
+            self._gone[session_id] = why
+            while len(self._gone) > self.TOMBSTONES:
+                self._gone.popitem(last=False)
         self._on_evict(session)

@@ -41,3 +41,8 @@ class DeadlineExceeded(SpecdecError):
 class SessionBusy(SpecdecError):
     """Another request is generating on the same session right now."""
     code_name = "FAILED_PRECONDITION"
+
+
+class SessionInputConflict(SpecdecError):
+    """A turn's input is not the kind the session holds (chat messages after a raw prompt, or back)."""
+    code_name = "FAILED_PRECONDITION"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from specdec.errors import InvalidRequest
 from specdec.model_refs import TinySpec, resolve_path
 
 
@@ -56,8 +57,15 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        out = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                            tokenize=True)
+        """InvalidRequest where the template refuses the messages (its own raise_exception: roles not
+        alternating, a role it does not support) or the tokenizer has no chat template."""
+        try:
+            out = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                tokenize=True)
+        except Exception as exc:  # noqa: BLE001 - sorted below: the caller's messages, or a bug
+            if isinstance(exc, ValueError) or type(exc).__module__.startswith("jinja2"):
+                raise InvalidRequest(f"messages cannot be rendered by the model's chat template: {exc}") from exc
+            raise
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return list(out)

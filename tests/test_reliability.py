@@ -16,6 +16,7 @@ from orchestrator.backends import DraftReply, VerifyReply, WorkerDescription
 from orchestrator.config import SpeculationOverride
 from orchestrator.api import EngineLimits, GenerateParams
 from orchestrator.engine import GenerationEngine
+from orchestrator.kpolicy import SessionStats
 from specdec.tools.loadtest import run_load
 from specdec.models import ByteTokenizer
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, worker_pb2
@@ -221,6 +222,83 @@ async def test_orchestrator_session_state_is_bounded() -> None:
         await wait_until(lambda: len(stack.target.core.store) <= 3)
     finally:
         await stack.close()
+
+
+async def test_an_evicted_sessions_next_turn_is_told_not_given_an_empty_history() -> None:
+    """A session's history lives only in the orchestrator: the next turn on an evicted id gets
+    NOT_FOUND once (then the id starts afresh), not an answer from its new input alone. Sessions of
+    requests without an id leave nothing behind."""
+    stack = await start_stack(engine_limits=EngineLimits(max_sessions=2))
+    try:
+        for name in ("a", "b", "c"):  # "c" evicts "a", the least recently used
+            await stack.generate(prompt_ids=[5, 6], max_new_tokens=4, session_id=name)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stack.generate(prompt_ids=[7], max_new_tokens=4, session_id="a")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "evicted" in err.value.details()
+        again = await stack.generate(prompt_ids=[7], max_new_tokens=4, session_id="a")
+        assert again.stats.prompt_tokens == 1  # a new session, knowingly
+        for _ in range(3):
+            await stack.generate(prompt_ids=[5], max_new_tokens=2)
+        assert not any(sid.startswith("tmp-") for sid in stack.orch.engine.sessions._gone)
+    finally:
+        await stack.close()
+
+
+def test_sessions_all_generating_refuse_a_new_one_as_resource_exhausted() -> None:
+    from orchestrator.sessions import OrchestratorSessions
+    from specdec.errors import CapacityExceeded, SessionNotFound
+    evicted: list[str] = []
+    now = [0.0]
+    sessions = OrchestratorSessions(1, ttl_s=10.0, on_evict=lambda s: evicted.append(s.session_id), clock=lambda: now[0])
+    busy = sessions.get_or_create("a", False, SessionStats)
+    asyncio.run(busy.lock.acquire())  # "a" is generating
+    with pytest.raises(CapacityExceeded):
+        sessions.get_or_create("b", False, SessionStats)  # was a KeyError (INTERNAL), and evicted "b" on the workers
+    assert sessions.get("b") is None and sessions.get("a") is busy and evicted == []
+    busy.lock.release()
+    # A turn that ran 30 s: its idle time starts when it ends, not when it began.
+    now[0] = 30.0
+    sessions.touch(busy)
+    now[0] = 35.0
+    assert sessions.get_or_create("a", False, SessionStats) is busy
+    now[0] = 50.0  # idle past the TTL: expired, and told so once
+    with pytest.raises(SessionNotFound, match="expired"):
+        sessions.get_or_create("a", False, SessionStats)
+    assert evicted == ["a"] and sessions.get_or_create("a", False, SessionStats) is not busy
+
+
+def test_a_session_keeps_one_kind_of_input() -> None:
+    from orchestrator.sessions import OrchestratorSession
+    from specdec.errors import SessionInputConflict
+    raw = OrchestratorSession("r", False, tokens=[5, 6])
+    raw.check_input(chat=False)
+    with pytest.raises(SessionInputConflict, match="raw prompt"):
+        raw.check_input(chat=True)
+    chat = OrchestratorSession("c", False, tokens=[1, 2], messages=[{"role": "user", "content": "hi"}])
+    chat.check_input(chat=True)
+    with pytest.raises(SessionInputConflict, match="is a chat"):
+        chat.check_input(chat=False)
+    OrchestratorSession("new", False).check_input(chat=True)  # an empty session takes either
+
+
+def test_a_chat_template_that_refuses_the_messages_is_invalid_argument() -> None:
+    from specdec.errors import InvalidRequest
+    from specdec.tokenizers import HFTokenizer
+
+    class Refusing:
+        def __init__(self, exc: Exception) -> None:
+            self.exc = exc
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise self.exc
+
+    jinja_error = type("TemplateError", (Exception,), {"__module__": "jinja2.exceptions"})
+    for exc in (jinja_error("Conversation roles must alternate"), ValueError("chat_template is not set")):
+        with pytest.raises(InvalidRequest) as refused:
+            HFTokenizer(Refusing(exc), [0]).apply_chat_template([{"role": "user", "content": "x"}])
+        assert refused.value.code_name == "INVALID_ARGUMENT" and str(exc) in str(refused.value)
+    with pytest.raises(RuntimeError):  # anything else is a bug, and stays one
+        HFTokenizer(Refusing(RuntimeError("bug")), [0]).apply_chat_template([])
 
 
 # ----------------------------------------------------------------------------- 5. admission
