@@ -251,8 +251,7 @@ class BatchScheduler:
             # Refused only if this call would itself wait beyond the free slots past max_queue (0: no
             # waiting room, yet an idle worker still takes a call). An EndSession takes no slot and
             # frees memory: never refused for load.
-            free = max(0, self.limits.max_batch - len(self._active))
-            if not ends_session and max(0, len(self._waiting) + 1 - free) > self.limits.max_queue:
+            if not ends_session and self._queued(joining=1) > self.limits.max_queue:
                 self.rejected += 1
                 retry_ms = self._retry_after_ms()
                 raise QueueFull(f"worker busy: {len(self._active)} calls in the batch and {len(self._waiting)} "
@@ -275,10 +274,10 @@ class BatchScheduler:
         with self._cond:
             return len(self._waiting)
 
-    def _queued(self) -> int:
-        """Calls that the next forward cannot take: beyond the free slots (lock held). A call that
-        arrived during a forward and joins the next one is not queued."""
-        return max(0, len(self._waiting) - max(0, self.limits.max_batch - len(self._active)))
+    def _queued(self, joining: int = 0) -> int:
+        """Calls that the next forward cannot take: beyond the free slots (lock held), with `joining`
+        more arriving. A call that arrived during a forward and joins the next one is not queued."""
+        return max(0, len(self._waiting) + joining - max(0, self.limits.max_batch - len(self._active)))
 
     def close(self, timeout_s: float = 5.0) -> None:
         with self._cond:
@@ -306,8 +305,7 @@ class BatchScheduler:
             if batch:
                 self._step(batch)
         for job in leftover:
-            self._close_steps(job)
-            self._fail(job, WorkerUnavailable("worker is shutting down"))
+            self._abort(job, WorkerUnavailable("worker is shutting down"))
 
     def _window_s(self) -> float:
         """window_ms caps it; a tenth of the recent forward time bounds what waiting may cost. With
@@ -429,8 +427,7 @@ class BatchScheduler:
                 self._finish(job)
             elif job.deadline is not None and now >= job.deadline:
                 self.expired += 1
-                self._close_steps(job)
-                self._fail(job, DeadlineExceeded("deadline expired between forward steps"))
+                self._abort(job, DeadlineExceeded("deadline expired between forward steps"))
 
     def _select(self) -> list[tuple[_Job, Any, bool]]:
         """The (call, step, is a prompt) triples of the next forward: oldest step first, up to
@@ -522,8 +519,7 @@ class BatchScheduler:
         except BaseException as exc:  # noqa: BLE001 - every call in the forward gets the error
             log.exception("batched forward over %d calls failed", len(batch))
             for job, _, _ in batch:
-                self._close_steps(job)
-                self._fail(job, exc)
+                self._abort(job, exc)
             return
         end = self._clock()
         with self._cond:
@@ -535,8 +531,7 @@ class BatchScheduler:
             self.prefill_chunks += any(job.pending is not None for job, _, _ in batch)
         for (job, _, _), output in zip(batch, outputs):
             if isinstance(output, Exception):  # this step's own failure (steps run one at a time)
-                self._close_steps(job)
-                self._fail(job, output)
+                self._abort(job, output)
                 continue
             job.load.forwards += 1
             job.load.batch_sessions += len(batch)
@@ -552,6 +547,11 @@ class BatchScheduler:
                 job.steps.close()  # runs the call's finally blocks (unpins its session)
             except BaseException:  # noqa: BLE001
                 log.exception("closing an abandoned call failed")
+
+    def _abort(self, job: _Job, exc: BaseException) -> None:
+        """Stop a call that has started: close its steps (its finally blocks run), then fail it."""
+        self._close_steps(job)
+        self._fail(job, exc)
 
     def _finish(self, job: _Job, result: Any = None) -> None:
         self._retire(job)
