@@ -33,3 +33,27 @@ async def test_real_pair_greedy_identical_to_target_alone() -> None:
         assert reply.stats.acceptance_rate > 0.5
     finally:
         await stack.close()
+
+
+def test_incremental_text_equals_decoding_the_whole_output_on_the_real_tokenizer() -> None:
+    """Byte-level BPE: CJK, emoji and accents split across tokens, streamed a round at a time."""
+    from orchestrator.text import TextAssembler
+    from specdec.tokenizers import load_tokenizer
+    tok = load_tokenizer(TARGET)
+    text = "def f(x):\n    return x  # 日本語のコメント 😀👍🏽 naïve café — ✓\n" * 20
+    ids = tok.encode(text)
+    for stop in ([], ["😀👍"], ["ret", "\n\n\n"]):
+        asm = TextAssembler(tok.decode, stop)
+        out, kept = [], 0
+        for i in range(0, len(ids), 3):
+            delta, keep = asm.add(ids[i:i + 3])
+            out.append(delta)
+            kept += keep
+            if asm.stopped:
+                break
+        out.append(asm.flush())
+        whole = tok.decode(ids[:kept])
+        cut = min((h for h in (whole.find(s) for s in stop) if h >= 0), default=len(whole))
+        assert "".join(out) == whole[:cut]
+        assert asm.stopped == bool(stop) and (cut < len(whole)) == bool(stop)
+        assert not any(s in tok.decode(ids[:kept - 1]) for s in stop)  # kept ends at the completing token

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import random
+
 from orchestrator.text import TextAssembler
 from specdec.models import ByteTokenizer
 
@@ -37,3 +39,67 @@ def test_partial_stop_prefix_is_held_back_then_released() -> None:
     assert delta == "ab"  # "ST" might start "STOP"
     delta, _ = asm.add(tok.encode("x"))
     assert delta == "STx"
+
+
+def whole_output_reference(ids: list[int], stop: list[str], decode=tok.decode) -> tuple[str, int]:
+    """What the turn must give: the text and tokens through the first token whose full decode holds a
+    stop string (the text cut before it), or all of them; decoded from scratch at every token."""
+    for i in range(1, len(ids) + 1):
+        text = decode(ids[:i])
+        hits = [h for h in (text.find(s) for s in stop) if h >= 0]
+        if hits:
+            return text[:min(hits)], i
+    return decode(ids), len(ids)
+
+
+def stream(asm: TextAssembler, ids: list[int], chunks: list[int]) -> tuple[str, int]:
+    out, kept, i = [], 0, 0
+    for size in chunks:
+        delta, keep = asm.add(ids[i:i + size])
+        out.append(delta)
+        kept += keep
+        i += size
+        if asm.stopped:
+            break
+    out.append(asm.flush())
+    return "".join(out), kept
+
+
+def test_incremental_text_equals_decoding_the_whole_output_every_time() -> None:
+    """Random bytes (whole and split multibyte characters, invalid sequences), random stop strings and
+    round sizes: the deltas add up to the reference text, and the kept tokens end at the same one."""
+    rng = random.Random(7)
+    pieces = [b"a", b"b", b" ", b"\n", "é".encode(), "✓".encode(), "😀".encode(), b"\xff", b"\x80", b"\xe2\x9c"]
+    for _ in range(400):
+        ids = list(b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 30))))
+        stop = rng.sample(["ab", "b\n", "é a", "✓✓", "a", "\n\n", "😀b"], rng.randint(0, 3))
+        chunks = [rng.randint(1, 5) for _ in range(len(ids))]
+        asm = TextAssembler(tok.decode, stop)
+        text, kept = stream(asm, ids, chunks)
+        assert (text, kept) == whole_output_reference(ids, stop), (ids, stop, chunks)
+        assert asm.emitted == text
+
+
+def sentencepiece_decode(vocab: list[str]):
+    """Like SentencePiece: '▁' is a space, and a decode drops the space its first token starts with."""
+    def decode(ids: list[int]) -> str:
+        text = "".join(vocab[i] for i in ids).replace("▁", " ")
+        return text[1:] if text.startswith(" ") else text
+    return decode
+
+
+def test_a_leading_space_dropped_by_the_decoder_is_kept_between_tokens() -> None:
+    vocab = ["▁Hello", "▁world", ",", "▁how", "▁are", "▁you", "?"]
+    decode = sentencepiece_decode(vocab)
+    ids = [0, 1, 2, 3, 4, 5, 6]
+    for stop in ([], ["are you"]):
+        text, kept = stream(TextAssembler(decode, stop), ids, [1] * len(ids))
+        assert (text, kept) == whole_output_reference(ids, stop, decode)
+    assert stream(TextAssembler(decode, []), ids, [1] * len(ids))[0] == "Hello world, how are you?"
+
+
+def test_each_token_is_decoded_with_a_short_context_not_the_whole_output() -> None:
+    longest = []
+    asm = TextAssembler(lambda ids: longest.append(len(ids)) or tok.decode(ids), ["STOP"])
+    stream(asm, tok.encode("x" * 2000 + "é" * 100), [3] * 800)
+    assert max(longest) <= 4  # the tokens of one character and its context
