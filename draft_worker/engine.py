@@ -65,7 +65,8 @@ class DraftEngine:
                 # The context may not have room for k more tokens.
                 k = max(0, min(params.k, self.core.max_context - position))
                 drafting = draft_steps(logits[-1], k, params.sampling, position, self.max_q_entries,
-                                       params.min_draft_prob, SeededRandomness(params.sampling.seed))
+                                       params.min_draft_prob, SeededRandomness(params.sampling.seed),
+                                       context=session.context_key())  # draws keyed by the whole prefix
                 # Each drafted token becomes a one-token forward step of this session.
                 try:
                     token = next(drafting)

@@ -61,6 +61,17 @@ def prefix_hash(tokens: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") or 1
 
 
+EMPTY_CONTEXT_KEY = 1
+
+
+def extend_context_key(key: int, token: int) -> int:
+    """The draft's random draws are keyed by their whole prefix (sampling.draft_steps): the key of a
+    prefix one token longer. Chained from EMPTY_CONTEXT_KEY over the prefix, so a function of the
+    prefix alone, however a call reached it (a pre-draft's draws are the serial round's)."""
+    digest = hashlib.blake2b(key.to_bytes(8, "little") + token.to_bytes(8, "little", signed=True), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") or 1
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0

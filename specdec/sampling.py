@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from specdec.contract import SamplingConfig
+from specdec.contract import SamplingConfig, extend_context_key
 from specdec.v1 import worker_pb2
 
 R = TypeVar("R")
@@ -63,10 +63,12 @@ class SparseDist:
         return dense / dense.sum()
 
 
-def uniform(seed: int, position: int, stream: int) -> float:
+def uniform(seed: int, position: int, stream: int, context: int = 0) -> float:
     """Counter-based U[0,1) with 53 random bits: a pure function of its arguments."""
-    digest = hashlib.blake2b(struct.pack("<QQQ", seed & (2**64 - 1), position, stream),
-                             digest_size=8).digest()
+    key = struct.pack("<QQQ", seed & (2**64 - 1), position, stream)
+    if context:
+        key += struct.pack("<Q", context)
+    digest = hashlib.blake2b(key, digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
 
 
@@ -94,8 +96,9 @@ def sample_index(probs: torch.Tensor, u: float) -> int:
 class Randomness(Protocol):
     """Where every random decision of a round comes from."""
 
-    def choose(self, probs: torch.Tensor, position: int, stream: int) -> int:
-        """An index drawn from the 1-D non-negative vector probs (normalised by its sum)."""
+    def choose(self, probs: torch.Tensor, position: int, stream: int, context: int = 0) -> int:
+        """An index drawn from the 1-D non-negative vector probs (normalised by its sum); context
+        (nonzero) keys the draw to the tokens before the position as well."""
         ...
 
     def accept(self, probability: float, position: int, stream: int) -> bool:
@@ -105,11 +108,11 @@ class Randomness(Protocol):
 
 @dataclass(frozen=True)
 class SeededRandomness:
-    """The service's randomness: a pure function of (seed, position, stream)."""
+    """The service's randomness: a pure function of (seed, position, stream[, context])."""
     seed: int
 
-    def choose(self, probs: torch.Tensor, position: int, stream: int) -> int:
-        return sample_index(probs, uniform(self.seed, position, stream))
+    def choose(self, probs: torch.Tensor, position: int, stream: int, context: int = 0) -> int:
+        return sample_index(probs, uniform(self.seed, position, stream, context))
 
     def accept(self, probability: float, position: int, stream: int) -> bool:
         return uniform(self.seed, position, stream) < probability
@@ -206,7 +209,8 @@ def runner_up(q: SparseDist, drawn_index: int) -> tuple[int, float]:
 
 
 def draft_steps(first_logits: torch.Tensor, k: int, cfg: SamplingConfig, first_position: int,
-                max_entries: int, min_draft_prob: float, rng: Randomness) -> Generator[int, torch.Tensor, Draft]:
+                max_entries: int, min_draft_prob: float, rng: Randomness,
+                context: int = 0) -> Generator[int, torch.Tensor, Draft]:
     """Draft up to k tokens starting at absolute position first_position, as a generator.
 
     Yields each drafted token that must run through the draft model and receives the logits that
@@ -219,6 +223,13 @@ def draft_steps(first_logits: torch.Tensor, k: int, cfg: SamplingConfig, first_p
     never on the value of a token drawn at that position, so accept / resample still reproduces the
     target exactly. (Dropping a token after drawing it because its probability was low would bias the
     output; for greedy the two rules coincide.)
+
+    context: the key of the tokens before first_position (contract.extend_context_key chained over
+    them: WorkerSession.context_key), extended by each drafted token, so that each draw is keyed by
+    its whole prefix. Keyed by position
+    alone, a round after a rejection would draw its drafts with the uniforms of the drafts it threw
+    away, on which the k policy may have depended (an early stop's drafted count): the drafted
+    token was then no longer distributed as q (docs/correctness.md, "Randomness").
     """
     draft = Draft()
     logits = first_logits
@@ -231,13 +242,15 @@ def draft_steps(first_logits: torch.Tensor, k: int, cfg: SamplingConfig, first_p
             token = greedy_token
             prob = confidence
         else:
-            index = rng.choose(q.probs, first_position + i, STREAM_DRAFT)
+            index = rng.choose(q.probs, first_position + i, STREAM_DRAFT, context)
             token, prob = int(q.token_ids[index]), float(q.probs[index])
             alternative = runner_up(q, index)
             draft.q.append(q)
         draft.alternatives.append(alternative)
         draft.tokens.append(token)
         draft.token_probs.append(prob)
+        if context:
+            context = extend_context_key(context, token)
         if i < k - 1:
             logits = yield token
             draft.steps += 1
@@ -258,9 +271,10 @@ def drive(steps: Generator[Any, Any, R], respond: Callable[[Any], Any]) -> R:
 
 def propose_tokens(first_logits: torch.Tensor, feed: Callable[[int], torch.Tensor], k: int,
                    cfg: SamplingConfig, first_position: int, max_entries: int, min_draft_prob: float,
-                   rng: Randomness) -> Draft:
+                   rng: Randomness, context: int = 0) -> Draft:
     """draft_steps with `feed(token)` running each drafted token through the draft model."""
-    return drive(draft_steps(first_logits, k, cfg, first_position, max_entries, min_draft_prob, rng), feed)
+    return drive(draft_steps(first_logits, k, cfg, first_position, max_entries, min_draft_prob, rng, context),
+                 feed)
 
 
 # ----------------------------------------------------------------------------- verification

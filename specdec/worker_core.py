@@ -2,18 +2,22 @@
 
 No grpc here: the engines (draft_worker.engine, target_worker.engine) build on WorkerCore and the
 shared servicer plumbing in specdec.worker_server maps protobuf <-> these dataclasses.
+
+Over 300 lines: the session (tokens, cache, the draft's context keys) and every way it changes
+(commits, forks, crops, batched forward steps) stay in one place, so that none misses one of them.
 """
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from specdec.contract import (MAX_BRANCH_SLOTS, CallStats, CallTimer, Commit, CostCurve, is_branch_key, prefix_hash,
-                              slot_key, validate_session_id)
+from specdec.contract import (EMPTY_CONTEXT_KEY, MAX_BRANCH_SLOTS, CallStats, CallTimer, Commit, CostCurve,
+                              extend_context_key, is_branch_key, prefix_hash, slot_key, validate_session_id)
 from specdec.errors import CacheMismatch, CapacityExceeded, InvalidRequest, SessionNotFound
 from specdec.models import LoadedModel, cache_nbytes, copy_cache, crop_cache, estimate_kv_bytes_per_token, new_cache
 from specdec.session_store import SessionStore
@@ -24,6 +28,17 @@ log = logging.getLogger(__name__)
 class WorkerSession:
     cache: Any
     tokens: list[int] = field(default_factory=list)
+    # context_key of tokens[:i + 1] at i: filled on demand (only the draft asks), cut with the tokens.
+    prefix_keys: array = field(default_factory=lambda: array("Q"))
+
+    def context_key(self) -> int:
+        """The draft's key of all the session's tokens (contract.extend_context_key chained over them)."""
+        keys = self.prefix_keys
+        key = keys[-1] if keys else EMPTY_CONTEXT_KEY
+        for token in self.tokens[len(keys):]:
+            key = extend_context_key(key, token)
+            keys.append(key)
+        return key
 
     def nbytes(self) -> int:
         return cache_nbytes(self.cache)
@@ -141,7 +156,8 @@ class WorkerCore:
         """Make `slot` a copy of `source_slot`'s first commit.cache_len tokens (checked like a commit),
         replacing what it held. On the model thread, between forwards: the source is never mid-forward."""
         source = self._checkout(slot_key(session_id, source_slot), commit)
-        branch = WorkerSession(copy_cache(source.cache, commit.cache_len), list(source.tokens[:commit.cache_len]))
+        branch = WorkerSession(copy_cache(source.cache, commit.cache_len), list(source.tokens[:commit.cache_len]),
+                               source.prefix_keys[:commit.cache_len])
         key = slot_key(session_id, slot)
         self.store.put(key, branch)
         try:
@@ -203,6 +219,7 @@ class WorkerCore:
         # An empty session makes the next commit fail its check and re-prefill.
         session.cache = new_cache(self.model)
         session.tokens.clear()
+        del session.prefix_keys[:]
 
     def _fed(self, session: WorkerSession, tokens: Sequence[int]) -> None:
         session.tokens.extend(tokens)
@@ -218,6 +235,7 @@ class WorkerCore:
             else:
                 crop_cache(session.cache, length)
             del session.tokens[length:]
+            del session.prefix_keys[length:]
 
     def begin_steps(self, session_id: str, commit: Commit, extra_tokens: Sequence[int], stats: CallStats,
                     slot: int = 0, fork_from: int | None = None,

@@ -153,3 +153,54 @@ def test_tiny_temperature_is_greedy_and_non_finite_is_invalid() -> None:
     for bad in (float("inf"), float("nan"), -1.0):
         with pytest.raises(ValueError, match="temperature must be >= 0 and finite"):
             SamplingConfig(temperature=bad).validate()
+
+
+def test_the_draft_worker_keys_each_draw_by_its_whole_prefix(monkeypatch) -> None:
+    """Each draft draw's context is the key of the session's tokens (extend_context_key chained over
+    them), extended by the tokens drafted before it: the same prefix draws the same uniform (a pre-draft reproduces the serial
+    draft), another prefix at the same position a fresh one (see
+    test_lossless_enumeration.test_a_k_that_reads_thrown_away_drafts_leaves_the_output_the_targets)."""
+    from draft_worker.engine import DraftEngine, ProposeParams
+    from specdec.contract import EMPTY_CONTEXT_KEY, Commit, extend_context_key, prefix_hash
+    from specdec.models import load_model
+    from specdec.worker_core import WorkerCore
+
+    seen: list[tuple[int, int]] = []
+    choose = SeededRandomness.choose
+    monkeypatch.setattr(SeededRandomness, "choose", lambda self, probs, position, stream, context=0:
+                        seen.append((position, context)) or choose(self, probs, position, stream, context))
+    engine = DraftEngine(WorkerCore(load_model("tiny:seed=0,noise=0.03"), "draft"))
+    cfg = SamplingConfig(temperature=1.0, seed=3)
+    prompt = [5, 6, 7, 8]
+    drafts = engine.propose(ProposeParams("a", Commit(0, 0, tuple(prompt)), 3, cfg)).tokens
+    context = EMPTY_CONTEXT_KEY
+    for token in prompt:
+        context = extend_context_key(context, token)
+    expected = []
+    for i, token in enumerate(drafts):
+        expected.append((len(prompt) + i, context))
+        context = extend_context_key(context, token)
+    assert seen == expected and len({c for _, c in seen}) == 3
+    seen.clear()
+    assert engine.propose(ProposeParams("b", Commit(0, 0, tuple(prompt)), 3, cfg)).tokens == drafts
+    assert seen == expected  # a session with the same prefix draws the same uniforms
+    seen.clear()
+    engine.propose(ProposeParams("c", Commit(0, 0, tuple(prompt[:-1] + [9])), 1, cfg))
+    assert seen[0][0] == len(prompt) and seen[0][1] != expected[0][1]  # same position, another prefix
+
+    def key_of(tokens: list[int]) -> int:
+        key = EMPTY_CONTEXT_KEY
+        for token in tokens:
+            key = extend_context_key(key, token)
+        return key
+
+    # The keys are cut with the tokens: a crop, a fork from a longer slot, a fresh start.
+    held = engine.core.session_tokens("a")
+    for commit, slot, fork_from in ((Commit(3, prefix_hash(held[:3]), (77, 78)), 0, None),
+                                    (Commit(2, prefix_hash(held[:2]), (79,)), 1, 0),
+                                    (Commit(0, 0, (80,)), 0, None)):
+        seen.clear()
+        engine.propose(ProposeParams("a", commit, 2, cfg, slot=slot, fork_from=fork_from))
+        base = ([] if commit.cache_len == 0 else held[:commit.cache_len]) + list(commit.append_tokens)
+        assert seen[0] == (len(base), key_of(base))
+        held = engine.core.session_tokens("a")
