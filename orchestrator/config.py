@@ -105,6 +105,7 @@ class SpeculationConfig:
 
     def validate(self) -> "SpeculationConfig":
         """Raise SpeculationConfigError on the first bad field; returns self so calls can chain."""
+        self._check_types()
         if self.policy not in POLICY_NAMES:
             raise SpeculationConfigError(f"unknown k policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
         if not 0 <= self.fixed_k <= MAX_K:
@@ -115,13 +116,9 @@ class SpeculationConfig:
             raise SpeculationConfigError(f"min_draft_prob must be in [0, 1], got {self.min_draft_prob}")
         if not 1 <= self.heuristic_initial_k <= MAX_K:
             raise SpeculationConfigError(f"heuristic_initial_k must be in [1, {MAX_K}], got {self.heuristic_initial_k}")
-        if isinstance(self.pipeline_branches, bool) or not isinstance(self.pipeline_branches, int) \
-                or not 0 <= self.pipeline_branches <= MAX_BRANCH_SLOTS:
-            raise SpeculationConfigError(f"pipeline_branches must be an integer in [0, {MAX_BRANCH_SLOTS}], "
+        if not 0 <= self.pipeline_branches <= MAX_BRANCH_SLOTS:
+            raise SpeculationConfigError(f"pipeline_branches must be in [0, {MAX_BRANCH_SLOTS}], "
                                          f"got {self.pipeline_branches!r}")
-        for name in ("pipeline", "overlap_prefill", "guard"):
-            if not isinstance(getattr(self, name), bool):
-                raise SpeculationConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         try:
             self.guard_settings().validate()  # the guard's own rules, in one place
         except ValueError as exc:
@@ -131,6 +128,22 @@ class SpeculationConfig:
         if not self.bandit_exploration >= 0.0 or not self.bandit_prior_weight > 0.0:
             raise SpeculationConfigError("bandit_exploration must be >= 0 and bandit_prior_weight > 0")
         return self
+
+    def _check_types(self) -> None:
+        """Each field's type, as a TOML table can get it wrong: `max_k = 6.0` would otherwise reach a
+        range() or a worker's k at the first request (INTERNAL), not the config's loading."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool":
+                ok, wanted = isinstance(value, bool), "true or false"
+            elif f.type == "int":
+                ok, wanted = isinstance(value, int) and not isinstance(value, bool), "an integer"
+            elif f.type == "float":
+                ok, wanted = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+            else:
+                ok, wanted = isinstance(value, str), "a string"
+            if not ok:
+                raise SpeculationConfigError(f"{f.name} must be {wanted}, got {value!r}")
 
     @property
     def picks_target_only(self) -> bool:

@@ -127,6 +127,8 @@ class TargetLoad:
     # time. Where a row count has been seen, it wins over the startup figure, which knows nothing of
     # prefills sharing the forward, per-session attention, or a co-located draft's load.
     observed_rows: dict[int, Ewma] = field(default_factory=dict)
+    # rows_curve, rebuilt only after a forward was observed: every k's price at every round reads it.
+    _curve: list[tuple[float, float]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __deepcopy__(self, memo: dict) -> "TargetLoad":
         return self
@@ -136,13 +138,16 @@ class TargetLoad:
 
     def rows_curve(self) -> list[tuple[float, float]]:
         """Startup points, replaced by in-service measurements near them; non-decreasing in rows."""
-        seen = {bucket: e.value for bucket, e in self.observed_rows.items()}
-        points = {rows: ms for rows, ms in self.target_curve if _rows_bucket(rows) not in seen}
-        points.update(seen)
-        return _running_max(points.items())
+        if self._curve is None:
+            seen = {bucket: e.value for bucket, e in self.observed_rows.items()}
+            points = {rows: ms for rows, ms in self.target_curve if _rows_bucket(rows) not in seen}
+            points.update(seen)
+            self._curve = _running_max(points.items())
+        return self._curve
 
     def observe_forward(self, rows: float, ms: float) -> None:
         if rows >= 1 and ms > 0:
+            self._curve = None
             bucket = _rows_bucket(rows)
             if bucket in self.observed_rows:
                 self.observed_rows[bucket].update(ms)
@@ -202,8 +207,11 @@ class TimingModel:
         return max(1.0, loaded / alone)
 
     def verify_ms(self, k: int) -> float:
-        """Verify cost of k drafts at the current load (see load_factor), monotone in k."""
-        return self.solo_verify_ms(k) * self.load_factor(k)
+        """Verify cost of k drafts at the current load, monotone in k: the cost alone times the
+        largest load factor of any k' <= k. The factor alone is not monotone: where the rows curve
+        steps up at k + 1 rows but not at B(k + 1), it falls, and with a per-k cost alone that does not
+        have the step (measured by other rounds than the curve), k + 1 drafts were priced below k."""
+        return self.solo_verify_ms(k) * max(self.load_factor(j) for j in range(k + 1))
 
     def solo_verify_ms(self, k: int) -> float:
         """Verify cost of k drafts with the target to this session alone, monotone in k.
@@ -337,9 +345,12 @@ class SessionStats:
         return self._copy_with(pair_acceptance(a), pair_acceptance(a))
 
     def new_session(self) -> "SessionStats":
-        """A new session's statistics, from this pair prior: its value, a session's pace."""
+        """A new session's statistics, from this pair prior: its value, a session's pace. The last
+        round (its k, what it accepted, the count) is some other session's: a new session has none."""
         a = self.acceptance.value
-        return self._copy_with(session_acceptance(a), pair_acceptance(a))
+        session = self._copy_with(session_acceptance(a), pair_acceptance(a))
+        session.rounds = session.last_k = session.last_accepted = 0
+        return session
 
     def _copy_with(self, acceptance: AcceptanceRate, typical: AcceptanceRate) -> "SessionStats":
         copied = copy.deepcopy(self)
@@ -476,6 +487,8 @@ class HeuristicPolicy:
     name: str = "heuristic"
 
     def next_k(self, stats: SessionStats, min_k: int, max_k: int, prefill_rows: int = 0) -> int:
+        if max_k == 0:
+            return 0
         if stats.rounds == 0:
             return _clamp(self.initial_k, max(min_k, 1), max_k)
         k = stats.last_k + 2 if stats.last_accepted >= stats.last_k else stats.last_k - 1
@@ -575,7 +588,8 @@ class BanditPolicy:
         for k in arms:
             n, mean = stats.arms.get(k, [0.0, 0.0])
             values[k] = (self.prior_weight * prior[k] + n * mean) / (self.prior_weight + n)
-            bonus = self.exploration * scale * math.sqrt(math.log(total) / (self.prior_weight + n))
+            # (total < 1 before any round where prior_weight * arms < 1: no bonus yet, not a log < 0)
+            bonus = self.exploration * scale * math.sqrt(math.log(max(total, 1.0)) / (self.prior_weight + n))
             if values[k] + bonus > best_score:
                 best_k, best_score = k, values[k] + bonus
         if best_k > 0 and prefill_rows > 1:

@@ -370,3 +370,34 @@ def test_sessions_of_a_pair_share_one_live_load() -> None:
     other = prior.timing.load.fresh()
     assert other.target_batch.value == 1.0 and not other.observed_rows
     assert other.target_curve == prior.timing.load.target_curve
+
+
+def test_heuristic_policy_drafts_nothing_at_max_k_0_and_each_session_starts_at_initial_k() -> None:
+    assert HeuristicPolicy(initial_k=4).next_k(SessionStats(), 0, 0) == 0
+    prior = SessionStats()
+    for _ in range(5):
+        prior.observe_round(8, 8)  # another session's rounds, which the pair's prior learns from
+    fresh = prior.new_session()
+    assert HeuristicPolicy(initial_k=2).next_k(fresh, 0, 8) == 2  # not that session's last k + 2
+    assert (fresh.rounds, fresh.last_k, fresh.last_accepted) == (0, 0, 0)
+    assert fresh.acceptance.value == pytest.approx(prior.acceptance.value)  # what the pair learned stays
+
+
+def test_bandit_with_a_prior_weight_below_one_round_per_arm_picks_a_k() -> None:
+    """prior_weight x arms < 1 before any round: the UCB's log(total) was negative (ValueError)."""
+    s = stats_with(0.8)
+    assert 0 <= BanditPolicy(prior_weight=0.1).next_k(s, 0, 8) <= 8
+
+
+def test_verify_cost_is_monotone_in_k_when_the_rows_curve_and_the_per_k_costs_disagree() -> None:
+    """Per-k costs measured flat, a rows curve with a step at 5 rows, 2 sessions per forward: the load
+    factor T(2(k+1)) / T(k+1) is 2 at k = 2, 3 and 1 at k = 4, which priced 4 drafts at half of 3."""
+    s = stats_with(0.6)
+    s.timing.seed(2.0, {k: 10.0 for k in range(9)})
+    s.timing.load = TargetLoad(((1, 10.0), (4, 10.0), (5, 20.0), (16, 20.0), (32, 40.0)))
+    s.timing.load.target_batch = Ewma(0.3, 2.0)
+    costs = [s.timing.verify_ms(k) for k in range(9)]
+    assert costs == sorted(costs) and costs[4] == pytest.approx(20.0)
+    assert s.timing.load.forward_ms(16) == pytest.approx(20.0)
+    s.timing.load.observe_forward(16, 80.0)  # the curve as measured in service replaces the cached one
+    assert s.timing.load.forward_ms(16) == pytest.approx(80.0)

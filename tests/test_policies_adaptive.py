@@ -146,6 +146,22 @@ def test_config_file_rejects_unknown_keys(tmp_path: Path) -> None:
         SpeculationConfig.from_toml(str(bad))
 
 
+
+@pytest.mark.parametrize("line", ["max_k = 6.0", "min_k = 0.5", "fixed_k = 2.5", "heuristic_initial_k = 2.5",
+                                  "probe_every = true", "bandit_prior_weight = '2'", "policy = 3",
+                                  "pipeline = 1"])
+def test_config_file_rejects_values_of_the_wrong_type(tmp_path: Path, line: str) -> None:
+    """Refused when the file is read, not at the first request (a float k reached range() or a
+    worker call: INTERNAL on every request)."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f"[speculation]\n{line}\n")
+    with pytest.raises(ValueError, match=line.split()[0]):
+        SpeculationConfig.from_toml(str(bad))
+    good = tmp_path / "good.toml"
+    good.write_text("[speculation]\nbandit_exploration = 1\nguard_margin = 0\n")  # an integer for a float is fine
+    assert SpeculationConfig.from_toml(str(good)).bandit_exploration == 1
+
+
 async def test_new_sessions_start_from_their_worker_pair_prior() -> None:
     stack = await start_stack(draft_ref="tiny:seed=0,noise=0.04")
     try:
@@ -156,11 +172,13 @@ async def test_new_sessions_start_from_their_worker_pair_prior() -> None:
         prior = engine.priors[pair]
         assert prior.rounds > 0 and prior.acceptance.observations == prior.rounds  # learned from the first session
         assert 4 in prior.timing.verify_by_k and 4 in prior.arms  # measured k=4 costs and rates
-        learned_rounds = prior.rounds
+        learned_rounds, learned_k4 = prior.rounds, prior.arms[4][0]
         reply = await stack.generate(prompt_ids=[4, 5], max_new_tokens=4, session_id="fresh")
         fresh = engine.sessions.get("fresh").stats
-        # It started from the pair's history (rounds and timings), not from zero.
-        assert fresh.rounds == learned_rounds + reply.stats.rounds
+        # It started from the pair's history (arms and timings), not from zero; its round count (and
+        # last k, which the heuristic policy follows) are its own.
+        assert fresh.rounds == reply.stats.rounds and prior.rounds == learned_rounds + reply.stats.rounds
+        assert fresh.arms[4][0] >= learned_k4  # learned from the first session
         assert set(prior.timing.verify_by_k) <= set(fresh.timing.verify_by_k)
         # The prior's acceptance is the pair's long-run average; the session's follows its own text.
         assert prior.acceptance.alpha == PAIR_ACCEPTANCE_ALPHA and fresh.acceptance.alpha == SESSION_ACCEPTANCE_ALPHA
