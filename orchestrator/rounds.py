@@ -44,7 +44,7 @@ from orchestrator.kpolicy import branch_budget
 from orchestrator.record import RoundRecord
 from orchestrator.sessions import OrchestratorSession, WorkerView
 from orchestrator.stopping import StopConditions
-from specdec.contract import SamplingConfig
+from specdec.contract import MAX_K, SamplingConfig
 from specdec.errors import (CacheMismatch, CapacityExceeded, DeadlineExceeded, InvalidRequest, SessionNotFound,
                             SpecdecError, WorkerInternalError, WorkerUnavailable)
 
@@ -272,7 +272,8 @@ class Round:
     # ------------------------------------------------------------------ pipelining
     def _start_predraft(self, assumed: list[int], k: int) -> None:
         calls = _Calls()
-        task = asyncio.create_task(self._propose(k, calls, canonical=assumed))
+        # (one more than the round's k, so at max_k = MAX_K capped: the worker refuses more)
+        task = asyncio.create_task(self._propose(min(k, MAX_K), calls, canonical=assumed))
         self._ahead = _PreDraft(assumed, calls, task, time.perf_counter())
 
     async def _take_predraft(self, k: int, calls: _Calls
@@ -325,7 +326,10 @@ class Round:
                 return got.window(0, k), True, max(0.0, got.wall_ms - waited_ms), True
             branch_hit = None  # it failed or drafted nothing: nothing was tested
         if ahead is not None and ahead.rejected:
-            return None, False, 0.0, branch_hit
+            # A pre-draft that had failed (an error, or _propose's None) tested nothing.
+            failed = (ahead.task.done() and not ahead.task.cancelled()
+                      and (ahead.task.exception() is not None or ahead.task.result() is None))
+            return None, None if failed else False, 0.0, branch_hit
         if ahead is None or pre is None or len(pre.tokens) < 2:
             return None, None, 0.0, branch_hit
         if self.session.tokens != ahead.assumed + [pre.tokens[0]]:
@@ -375,6 +379,9 @@ class Round:
                                           fork_from=source)
         except SpecdecError as exc:
             log.debug("branch pre-draft on slot %d failed: %s", slot, exc)
+            return None
+        except Exception:  # noqa: BLE001 - optional work never fails the round, but a bug must show
+            log.exception("branch pre-draft on slot %d failed", slot)
             return None
         calls.bytes_to_draft += reply.bytes_sent
         calls.bytes_from_draft += reply.bytes_received

@@ -635,3 +635,73 @@ def test_netbench_smoke_runs_every_system_and_reads_its_traces(tmp_path) -> None
     assert "do not match" not in result.stdout
     assert "\nguard = false\n" in (tmp_path / "orchestrator.toml").read_text()  # one guard for all systems: off
     assert (tmp_path / "logs-0ms" / "orchestrator.log").exists()  # the services' logs stay with the results
+
+
+async def test_pipelining_at_the_largest_k_asks_the_draft_for_no_more_than_it_serves(caplog) -> None:
+    """A pre-draft asks for one more than its round's k: at max_k = MAX_K that was MAX_K + 1, which
+    the draft refuses (INVALID_ARGUMENT), so every such pre-draft failed and was logged."""
+    import logging
+
+    from specdec.contract import MAX_K
+    caplog.set_level(logging.INFO)
+    stack = await start_stack()  # identical draft: every pre-draft hits
+    asked: list[int] = []
+    propose_steps = stack.draft.engine.propose_steps
+    stack.draft.engine.propose_steps = lambda params: (asked.append(params.k), propose_steps(params))[1]
+    try:
+        prompt = [5, 6, 7, 8]
+        reply = await stack.generate(prompt_ids=prompt, max_new_tokens=120,
+                                     speculation={"fixed_k": MAX_K, "pipeline": True, "pipeline_branches": 0})
+        assert list(reply.token_ids) == reference_greedy(prompt, 120)
+        assert max(asked) == MAX_K and reply.stats.predraft_hits >= 2
+        assert not [r for r in caplog.records if "failed" in r.getMessage() or "cannot serve" in r.getMessage()]
+    finally:
+        await stack.close()
+
+
+async def test_a_branch_pre_draft_that_fails_with_a_bug_is_logged_and_changes_no_token(caplog) -> None:
+    import logging
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02", target_call_delay_ms=30.0)
+    backend = stack.orch.engine.workers.draft
+    propose = backend.propose
+
+    async def failing_forks(*args, slot=0, fork_from=None, **kwargs):
+        if fork_from is not None:
+            raise RuntimeError("injected bug in a branch pre-draft")
+        return await propose(*args, slot=slot, fork_from=fork_from, **kwargs)
+    backend.propose = failing_forks
+    try:
+        prompt = [5, 6, 7, 8]
+        reply = await stack.generate(prompt_ids=prompt, max_new_tokens=30, speculation={"fixed_k": 3, "pipeline": True})
+        assert list(reply.token_ids) == reference_greedy(prompt, 30)
+        logged = [r for r in caplog.records if r.levelno >= logging.ERROR and r.exc_info
+                  and "injected bug" in str(r.exc_info[1])]
+        assert logged  # was dropped without a trace: caught nowhere, and cancelled after it ended
+    finally:
+        await stack.close()
+
+
+async def test_pre_drafts_that_fail_count_as_neither_hit_nor_miss() -> None:
+    """A pre-draft that failed tested nothing, also when the round then rejected (it was a miss)."""
+    from specdec.errors import CapacityExceeded
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02", target_call_delay_ms=30.0)
+    backend = stack.orch.engine.workers.draft
+    propose = backend.propose
+    failed = []
+
+    async def failing_predrafts(*args, **kwargs):
+        task = asyncio.current_task()
+        if task is not None and task.get_coro().__qualname__ == "Round._propose":  # a pre-draft's own task
+            failed.append(1)
+            raise CapacityExceeded("injected: the draft's queue is full")
+        return await propose(*args, **kwargs)
+    backend.propose = failing_predrafts
+    try:
+        prompt = [5, 6, 7, 8]
+        reply = await stack.generate(prompt_ids=prompt, max_new_tokens=30,
+                                     speculation={"fixed_k": 3, "pipeline": True, "pipeline_branches": 0})
+        assert list(reply.token_ids) == reference_greedy(prompt, 30)
+        assert len(failed) >= 3 and reply.stats.accepted_tokens < reply.stats.draft_tokens  # some rounds rejected
+        assert reply.stats.predraft_hits == reply.stats.predraft_misses == 0
+    finally:
+        await stack.close()
