@@ -148,7 +148,7 @@ async def start_orchestrator(cfg: OrchestratorConfig):
     # Health entry for the draft dependency: NOT_SERVING while generation falls back to target-only.
     async def report_draft(degraded: bool) -> None:
         await handle.set_status(DRAFT_HEALTH_NAME, not degraded)
-    engine.on_draft_health = report_draft
+    engine.draft_health.on_change = report_draft
     await report_draft(False)
     return handle, servicer, (draft, target)
 

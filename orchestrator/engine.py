@@ -12,7 +12,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -22,7 +22,7 @@ from orchestrator.config import SpeculationConfig
 from orchestrator.guard import TARGET_ONLY, PairGuard
 from orchestrator.kpolicy import CostModelPolicy, SessionStats, TargetLoad
 from orchestrator.record import RoundObserver, RoundRecord
-from orchestrator.rounds import Deadline, DraftHealth, Round, Workers
+from orchestrator.rounds import Deadline, DraftHealthBoard, Round, Workers
 from orchestrator.sessions import OrchestratorSession, OrchestratorSessions
 from orchestrator.stopping import StopConditions
 from specdec.contract import SamplingConfig, validate_session_id
@@ -61,10 +61,9 @@ class GenerationEngine:
         self.limits = limits
         # Server-wide observers of every round (metrics, traces).
         self.observers = list(observers)
-        # Backoff per draft replica: one dead replica must not stop speculation for the others.
-        self.draft_health: dict[str, DraftHealth] = {}
-        # Called with True when the draft becomes unusable and False when it recovers.
-        self.on_draft_health: Callable[[bool], Awaitable[None]] | None = None
+        pool = getattr(draft, "pool", None)
+        self.draft_health = DraftHealthBoard(lambda session_id: self._replica(self.draft, "draft", session_id),
+                                             lambda: set(pool.ring.nodes) if pool is not None else {"draft"})
         # Priors per (draft replica, target replica) pair: a new session starts from what recent
         # sessions measured on the same pair (speeds and acceptance differ between pairs).
         self.priors: dict[str, SessionStats] = {}
@@ -75,8 +74,7 @@ class GenerationEngine:
         self.guards: dict[str, PairGuard] = {}
         self.sessions = OrchestratorSessions(limits.max_sessions, limits.session_ttl_s, self._end_on_workers)
         self._background: set[asyncio.Task[Any]] = set()
-        self.workers = Workers(draft, target, limits.draft_timeout_s, limits.target_retry_s, self._draft_health_for,
-                               lambda: self.draft_degraded, self._report_draft_health,
+        self.workers = Workers(draft, target, limits.draft_timeout_s, limits.target_retry_s, self.draft_health,
                                lambda: setattr(self, "draft_branch_slots", 0))
 
     # ------------------------------------------------------------------ validation
@@ -181,18 +179,8 @@ class GenerationEngine:
 
     @property
     def draft_degraded(self) -> bool:
-        """True while any draft replica is in backoff (reported as the health entry .../draft)."""
-        return any(h.degraded for h in self.draft_health.values())
-
-    def _draft_health_for(self, session_id: str) -> DraftHealth:
-        return _bounded_entry(self.draft_health, self._replica(self.draft, "draft", session_id), DraftHealth)
-
-    async def _report_draft_health(self, degraded: bool) -> None:
-        if self.on_draft_health is not None:
-            try:
-                await self.on_draft_health(degraded)
-            except Exception:  # noqa: BLE001 - health reporting must never fail a request
-                log.exception("reporting draft health failed")
+        """True while a draft replica in use is in backoff (the health entry .../draft)."""
+        return self.draft_health.degraded
 
     # ------------------------------------------------------------------ generation
     async def generate(self, params: GenerateParams, timeout_s: float | None = None,

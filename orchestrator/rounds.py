@@ -71,13 +71,59 @@ class DraftHealth:
         return time.monotonic() >= self._retry_at
 
     def failed(self) -> None:
+        """A call failed. While in backoff another failure is the same outage (the calls of every
+        session in flight when it began), not a failed retry: eight sessions would otherwise take a
+        blip to the longest backoff at once."""
         self.failures += 1
+        if self.degraded and time.monotonic() < self._retry_at:
+            return
         self._backoff = min(self.max_s, self._backoff * 2 if self._backoff else self.initial_s)
         self._retry_at = time.monotonic() + self._backoff
 
     def succeeded(self) -> None:
         self._backoff = 0.0
         self._retry_at = 0.0
+
+
+class DraftHealthBoard:
+    """A DraftHealth per draft replica (one dead replica must not stop speculation for the others),
+    and the one health entry they make together: degraded while a replica that sessions are routed
+    to is in backoff. A replica gone from discovery (a replaced pod) no longer counts."""
+
+    MAX_ENTRIES = 1024  # replicas come and go with scaling
+
+    def __init__(self, replica_of: Callable[[str], str], current_replicas: Callable[[], set[str]]) -> None:
+        self._replica_of, self._current = replica_of, current_replicas
+        self.entries: dict[str, DraftHealth] = {}
+        # Called with True when the draft becomes unusable and False when it recovers.
+        self.on_change: Callable[[bool], Awaitable[None]] | None = None
+        self._reported = False
+
+    def for_session(self, session_id: str) -> DraftHealth:
+        """The health of the replica the session's draft calls go to now."""
+        replica = self._replica_of(session_id)
+        if replica not in self.entries:
+            if len(self.entries) >= self.MAX_ENTRIES:
+                self.entries.pop(next(iter(self.entries)))
+            self.entries[replica] = DraftHealth()
+        return self.entries[replica]
+
+    @property
+    def degraded(self) -> bool:
+        current = self._current()
+        return any(h.degraded for replica, h in self.entries.items() if replica in current)
+
+    async def report(self) -> None:
+        """After a draft call: tell on_change if the state changed (never fails the caller)."""
+        degraded = self.degraded
+        if degraded == self._reported:
+            return
+        self._reported = degraded
+        if self.on_change is not None:
+            try:
+                await self.on_change(degraded)
+            except Exception:  # noqa: BLE001 - health reporting must never fail a request
+                log.exception("reporting draft health failed")
 
 
 class Deadline:
@@ -108,9 +154,7 @@ class Workers:
     target: TargetBackend
     draft_timeout_s: float
     target_retry_s: float
-    draft_health_for: Callable[[str], DraftHealth]
-    draft_degraded: Callable[[], bool]
-    report_draft_health: Callable[[bool], Awaitable[None]]
+    draft_health: DraftHealthBoard
     disable_branches: Callable[[], None] = lambda: None  # the draft turned out to have no branch slots
 
 
@@ -215,7 +259,7 @@ class Round:
         prefill_rows = self.session.target_view.appended_for(canonical)
         reply, hit, saved_ms, branch_hit = await self._take_predraft(k, calls)
         # After the pre-draft settled: a pre-draft that found the draft down put it in backoff.
-        use_draft = k > 0 and self.workers.draft_health_for(self.session.session_id).usable()
+        use_draft = k > 0 and self.workers.draft_health.for_session(self.session.session_id).usable()
         if reply is None and use_draft and self._overlaps(self.index, prefill_rows):
             # The turn's first round has a prompt to prefill on both workers. Serially the target
             # would wait for the draft's prefill; instead the target prefills and answers the first
@@ -230,7 +274,7 @@ class Round:
         # A pre-draft pays only if a round can follow this one: at least 2 tokens left after a
         # fully accepted round (its drafts and the bonus).
         if (self.pipeline and drafts and self.stop.remaining - (len(drafts) + 1) >= 2
-                and self.workers.draft_health_for(self.session.session_id).usable()):
+                and self.workers.draft_health.for_session(self.session.session_id).usable()):
             # One more than this round's k, so k can grow along a run of hits (the first token is
             # the bonus guess); the next round uses at most its own k of them.
             # A prompt's round drafts few (kpolicy.prefill_round_k) but verifies long: its pre-draft
@@ -448,6 +492,9 @@ class Round:
         for attempt in range(2):
             commit = view.commit_for(canonical)
             timeout = self.deadline.cap(w.draft_timeout_s)
+            # The replica the call goes to: a failure is its own, even if the replica leaves the
+            # ring meanwhile (its channel closed mid-call) and the session maps to another.
+            health = w.draft_health.for_session(session.session_id)
             try:
                 reply = await w.draft.propose(session.session_id, commit, k, self.sampling, self.min_draft_prob,
                                               timeout, slot=slot)
@@ -466,13 +513,11 @@ class Round:
             except (WorkerUnavailable, DeadlineExceeded) as exc:
                 self.deadline.remaining()  # our own deadline passing is the caller's error, not a fallback
                 log.warning("draft worker unavailable (%s); falling back to target-only", exc)
-                was_degraded = w.draft_degraded()
-                w.draft_health_for(session.session_id).failed()
+                health.failed()
                 # Whether or not the call ran, the draft still holds the committed prefix: keep it, so
                 # one slow round does not cost a re-prefill of the whole prefix.
                 view.keep(commit.cache_len)
-                if not was_degraded:
-                    await w.report_draft_health(True)
+                await w.draft_health.report()
                 return None
             except (CapacityExceeded, InvalidRequest, WorkerInternalError) as exc:
                 # Over its KV budget, a request this draft cannot serve (e.g. its context is shorter),
@@ -481,11 +526,8 @@ class Round:
                 log.log(level, "draft cannot serve this round (%s); it runs target-only", exc)
                 view.keep(commit.cache_len)
                 return None
-            health = w.draft_health_for(session.session_id)
-            recovered = health.degraded
             health.succeeded()
-            if recovered and not w.draft_degraded():
-                await w.report_draft_health(False)
+            await w.draft_health.report()
             calls.bytes_to_draft += reply.bytes_sent
             calls.bytes_from_draft += reply.bytes_received
             view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), reply.tokens, reply.cache_len)

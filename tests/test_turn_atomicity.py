@@ -17,7 +17,7 @@ from orchestrator.config import SpeculationOverride
 from orchestrator.api import GenerateParams
 from orchestrator.engine import GenerationEngine
 from orchestrator.rounds import DraftHealth
-from specdec.errors import DeadlineExceeded, InvalidRequest
+from specdec.errors import DeadlineExceeded, InvalidRequest, WorkerUnavailable
 from specdec.models import ByteTokenizer
 from specdec.v1 import common_pb2
 from tests.stack import cancel_stream_after, request, start_stack
@@ -198,7 +198,7 @@ async def test_a_draft_timeout_does_not_re_prefill_the_prefix() -> None:
     draft = _SlowOnceDraft()
     engine = GenerationEngine(draft, _EchoTarget(), ByteTokenizer(),
                               WorkerDescription("target", "fake", 260, 4096, [257]))
-    engine.draft_health["draft"] = DraftHealth(initial_s=0.0)  # retry the draft on the next round
+    engine.draft_health.entries["draft"] = DraftHealth(initial_s=0.0)  # retry the draft on the next round
     prompt = tuple(range(1, 201))
     params = GenerateParams(prompt_ids=prompt, max_new_tokens=12, speculation=SpeculationOverride(fixed_k=3))
     async for _ in engine.generate(params):
@@ -232,3 +232,81 @@ async def test_a_forward_that_fails_halfway_leaves_no_stray_cache_entries(disagr
     rest = [list((await stack.generate(prompt_ids=turn, max_new_tokens=NEW, session_id="s",
                                        speculation=SPEC)).token_ids) for turn in TURNS[1:]]
     assert [list(first.token_ids)] + rest == reference
+
+
+# ----------------------------------------------------------------------------- draft health per replica
+
+def test_one_outage_seen_by_many_sessions_is_one_backoff_step(monkeypatch) -> None:
+    """Eight sessions' calls in flight when a draft blips fail together: one outage, the first backoff
+    (0.5 s), not 2^7 of it (capped at 30 s: target-only for 30 s after a blip)."""
+    from orchestrator import rounds
+    now = [100.0]
+    monkeypatch.setattr(rounds.time, "monotonic", lambda: now[0])
+    health = DraftHealth()
+    for _ in range(8):
+        health.failed()
+    assert health.failures == 8 and not health.usable()
+    now[0] += 0.5
+    assert health.usable()
+    health.failed()  # the retry after the backoff failed: the outage goes on, the wait doubles
+    now[0] += 0.5
+    assert not health.usable()
+    now[0] += 0.5
+    assert health.usable()
+
+
+async def test_draft_health_counts_only_replicas_in_use_and_reports_changes() -> None:
+    from orchestrator.rounds import DraftHealthBoard
+    current = {"a", "b"}
+    board = DraftHealthBoard(lambda session_id: session_id[0], lambda: current)
+    reported: list[bool] = []
+
+    async def record(degraded: bool) -> None:
+        reported.append(degraded)
+    board.on_change = record
+    board.for_session("a1").failed()
+    await board.report()
+    await board.report()
+    assert board.degraded and reported == [True]  # once per change
+    current = {"b", "c"}  # the dead pod was replaced (a new address): its backoff no longer counts
+    await board.report()
+    assert not board.degraded and reported == [True, False]
+
+
+class _Ring:
+    def __init__(self, nodes: list[str]) -> None:
+        self.nodes = tuple(nodes)
+
+    def node_for(self, session_id: str) -> str:
+        return self.nodes[0]
+
+
+class _DraftLeavingMidCall:
+    """A routed draft whose only replica leaves discovery during a call (its channel closes)."""
+
+    def __init__(self) -> None:
+        self.pool = type("Pool", (), {"ring": _Ring(["old:1"])})()
+
+    def node_for(self, session_id: str) -> str:
+        return self.pool.ring.node_for(session_id)
+
+    async def propose(self, session_id, commit, k, sampling, min_draft_prob, timeout_s, slot=0, fork_from=None):
+        if self.pool.ring.nodes == ("old:1",):
+            self.pool.ring = _Ring(["new:1"])
+            raise WorkerUnavailable("CANCELLED: channel closed")
+        held = commit.cache_len + len(commit.append_tokens) + k - 1
+        return DraftReply([7] * k, [0.9] * k, held, 1.0, len(commit.append_tokens))
+
+    async def end_session(self, session_id):
+        return True
+
+
+async def test_a_failed_draft_call_is_charged_to_the_replica_it_went_to() -> None:
+    engine = GenerationEngine(_DraftLeavingMidCall(), _EchoTarget(), ByteTokenizer(),
+                              WorkerDescription("target", "fake", 260, 4096, [257]))
+    params = GenerateParams(prompt_ids=(1, 2, 3), max_new_tokens=8, speculation=SpeculationOverride(fixed_k=3))
+    async for event in engine.generate(params):
+        pass
+    health = engine.draft_health.entries
+    assert health["old:1"].failures == 1 and health["new:1"].failures == 0
+    assert event.stats.fallback_rounds == 1 and not engine.draft_degraded  # the new replica drafts at once
