@@ -235,6 +235,9 @@ class GenerationEngine:
                        overlap_prefill=spec.overlaps_prefill, branches=spec.pipeline_branches)
         stats = GenerationStats(seed=seed, prompt_tokens=prompt_len)
         prior = self.prior_for(session.session_id)
+        # The load of the pair the session is on now: after a scale-out moved it, its verifies must
+        # not update the old pair's load (and carry_turn_into must not hand that to the new pair).
+        session.stats.timing.load = prior.timing.load
         guard = self.guard_for(session.session_id) if spec.guarded else None
         observers: list[Any] = [stats, *self.observers]
         learners: list[Any] = [session.stats, _PriorObserver(prior, spec.picks_target_only)]  # what the policy knows

@@ -362,7 +362,9 @@ class SessionStats:
         rounds and arms it has learned round by round): the latest timings, and, where the cost
         policy chose k this turn, its probe back-off, so that where drafting keeps losing a new
         session waits as long as the pair has learned to (rounds_since_draft is the pair's already)."""
+        load = prior.timing.load  # the pair's own (shared, live), whatever the session held
         prior.timing = copy.deepcopy(self.timing)
+        prior.timing.load = load
         if policy_chose_k:
             prior.failed_probes = self.failed_probes
 

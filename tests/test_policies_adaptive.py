@@ -232,3 +232,56 @@ def test_shipped_config_files_load(name: str) -> None:
     if name == "embedded-pair-two-devices.toml":
         assert spec.overlap_prefill and not SpeculationConfig.from_toml(
             str(Path(__file__).parent.parent / "configs" / "embedded-pair-cpu.toml")).overlap_prefill
+
+
+async def test_a_session_moved_to_another_target_replica_prices_k_with_that_pairs_load() -> None:
+    """A scale-out moves a session from a busy target replica (8 sessions a forward) to an idle one:
+    its verifies there update the idle pair's load, not the busy one's, and the two pairs' priors
+    keep a load each (they came to share one, so a new session on the idle pair priced k at 8)."""
+    from orchestrator.api import GenerateParams
+    from orchestrator.backends import DraftReply, VerifyReply, WorkerDescription
+    from orchestrator.engine import GenerationEngine
+    from orchestrator.routing import ReplicaPool, RoutedDraft, RoutedTarget
+    from specdec.contract import CostCurve
+    from specdec.models import ByteTokenizer
+
+    busy, idle = "10.0.1.1:1", "10.0.1.2:1"
+
+    class Draft:
+        async def propose(self, session_id, commit, k, sampling, min_draft_prob, timeout_s, slot=0, fork_from=None):
+            return DraftReply([7] * k, [0.9] * k, commit.cache_len + len(commit.append_tokens) + k - 1, 1.0, 0)
+
+        async def end_session(self, session_id):
+            return True
+
+    class Target:
+        def __init__(self, address: str) -> None:
+            self.batch = 8.0 if address == busy else 1.0
+
+        async def verify(self, session_id, commit, draft_tokens, q_payload, sampling, timeout_s):
+            held = commit.cache_len + len(commit.append_tokens) + len(draft_tokens)
+            return VerifyReply(len(draft_tokens), 7, held, 1.0, 0, batch_sessions=self.batch)
+
+        async def end_session(self, session_id):
+            return True
+
+    targets = ReplicaPool("target", busy, Target)
+    curve = CostCurve(tuple((n, 64, 10.0 + 2.0 * n) for n in (1, 2, 4, 8, 16, 32, 64)))
+    engine = GenerationEngine(RoutedDraft(ReplicaPool("draft", "10.0.0.1:1", lambda a: Draft())),
+                              RoutedTarget(targets), ByteTokenizer(),
+                              WorkerDescription("target", "fake", 260, 4096, [257], forward_costs=curve),
+                              speculation=SpeculationConfig(guard=False))
+
+    async def turn(session_id: str) -> None:
+        async for _ in engine.generate(GenerateParams(prompt_ids=(1, 2, 3), max_new_tokens=20, session_id=session_id)):
+            pass
+    both = ReplicaPool("probe", f"{busy},{idle}", lambda a: a)
+    mover = next(f"chat-{i}" for i in range(100) if both.ring.node_for(f"chat-{i}") == idle)
+    await turn(mover)  # on the busy replica
+    targets.set_addresses([busy, idle])
+    await turn(mover)  # moved to the idle one
+    stayer = next(f"chat-{i}" for i in range(100) if both.ring.node_for(f"chat-{i}") == busy)
+    on_busy, on_idle = engine.prior_for(stayer), engine.prior_for(mover)
+    assert on_busy is not on_idle and on_busy.timing.load is not on_idle.timing.load
+    assert on_busy.timing.load.target_batch.value > 7 and on_idle.timing.load.target_batch.value < 1.5
+    assert on_idle.new_session().timing.load_factor(4) == 1.0
