@@ -37,6 +37,10 @@ class DraftEngine:
         self.core = core
         # Upper bound on q entries sent per position: bytes grow with k, not the vocabulary.
         self.max_q_entries = max_q_entries
+        # Draft only ids the tokenizer knows: a model's logits can have padding rows past them (sized
+        # for fast matmuls), and a target with fewer rows would refuse such ids in q. Lossless: q is
+        # what the draft samples from; the target's own draws are left alone.
+        self.draftable = min(core.vocab_size, len(core.loaded.tokenizer))
 
     def propose(self, params: ProposeParams) -> ProposeResult:
         """One call alone (no scheduler): each step its own forward."""
@@ -64,7 +68,7 @@ class DraftEngine:
                 position = len(session.tokens)
                 # The context may not have room for k more tokens.
                 k = max(0, min(params.k, self.core.max_context - position))
-                drafting = draft_steps(logits[-1], k, params.sampling, position, self.max_q_entries,
+                drafting = draft_steps(logits[-1, :self.draftable], k, params.sampling, position, self.max_q_entries,
                                        params.min_draft_prob, SeededRandomness(params.sampling.seed),
                                        context=session.context_key())  # draws keyed by the whole prefix
                 # Each drafted token becomes a one-token forward step of this session.
@@ -73,7 +77,7 @@ class DraftEngine:
                     while True:
                         stats.fed_tokens += 1
                         step_logits = yield ForwardStep(session, [token], 1)
-                        token = drafting.send(step_logits[-1])
+                        token = drafting.send(step_logits[-1, :self.draftable])
                 except StopIteration as stop:
                     draft = stop.value
                 result.tokens, result.q, result.token_probs = draft.tokens, draft.q, draft.token_probs

@@ -110,8 +110,8 @@ async def build_engine(cfg: OrchestratorConfig, metrics: OrchestratorMetrics | N
         raise SystemExit(f"draft ({draft_info.model_ref}) and target ({target_info.model_ref}) use different "
                          "tokenizers; speculative decoding needs a shared vocabulary")
     if draft_info.vocab_size != target_info.vocab_size:
-        log.warning("draft vocab %d != target vocab %d (padding rows); ids beyond the tokenizer are never sampled",
-                    draft_info.vocab_size, target_info.vocab_size)
+        log.warning("draft vocab %d != target vocab %d (padding rows); the draft drafts only ids the tokenizer "
+                    "knows", draft_info.vocab_size, target_info.vocab_size)
     if draft_info.max_context < target_info.max_context:
         log.warning("draft context (%d) is shorter than the target's (%d): rounds past it run target-only",
                     draft_info.max_context, target_info.max_context)

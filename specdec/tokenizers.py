@@ -37,6 +37,9 @@ class ByteTokenizer:
     def fingerprint(self) -> str:
         return f"bytes-{self.vocab_size}"
 
+    def __len__(self) -> int:
+        return self.vocab_size
+
     @property
     def eos_token_ids(self) -> list[int]:
         return [self.EOS]
@@ -69,6 +72,11 @@ class HFTokenizer:
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return list(out)
+
+    def __len__(self) -> int:
+        """Token ids the tokenizer knows, added tokens included (a model's vocab may have padding rows
+        past them)."""
+        return len(self._tok)
 
     def fingerprint(self) -> str:
         """Computed once: sorting and hashing a 150k-token vocabulary takes about 0.3 s on a CPU,

@@ -204,3 +204,26 @@ def test_the_draft_worker_keys_each_draw_by_its_whole_prefix(monkeypatch) -> Non
         base = ([] if commit.cache_len == 0 else held[:commit.cache_len]) + list(commit.append_tokens)
         assert seen[0] == (len(base), key_of(base))
         held = engine.core.session_tokens("a")
+
+
+def test_the_draft_drafts_only_ids_its_tokenizer_knows() -> None:
+    """A draft model with padding rows past its tokenizer's ids, beside a target with fewer rows: q and the drafts stay within the tokenizer, so the target
+    accepts them (it refused the verify, INVALID_ARGUMENT, for ids past its own rows)."""
+    import dataclasses
+
+    from draft_worker.engine import DraftEngine, ProposeParams
+    from specdec.contract import Commit
+    from specdec.models import ByteTokenizer, load_model
+    from specdec.worker_core import WorkerCore
+    from target_worker.engine import TargetEngine, VerifyParams
+
+    padded = dataclasses.replace(load_model("tiny:seed=0,vocab=300"), tokenizer=ByteTokenizer(260))
+    draft = DraftEngine(WorkerCore(padded, "draft"))
+    target = TargetEngine(WorkerCore(load_model("tiny:seed=0,vocab=260"), "target"))
+    assert draft.draftable == 260
+    prompt = (1, 2, 3, 4)
+    for seed in range(10):
+        cfg = SamplingConfig(temperature=1.5, seed=seed)
+        proposal = draft.propose(ProposeParams(f"s{seed}", Commit(0, 0, prompt), 3, cfg))
+        assert all(int(q.token_ids.max()) < 260 for q in proposal.q) and max(proposal.tokens) < 260
+        target.verify(VerifyParams(f"s{seed}", Commit(0, 0, prompt), tuple(proposal.tokens), tuple(proposal.q), cfg))
