@@ -3,7 +3,9 @@
 Each session is routed to one draft replica and one target replica (independent rings), so its KV
 cache is reused round after round. Adding or removing a replica moves only the sessions whose
 ring segment changed (about 1/N of them); a moved session's new replica answers NOT_FOUND and the
-orchestrator re-prefills it from the canonical tokens.
+orchestrator re-prefills it from the canonical tokens. A replica whose calls keep failing UNAVAILABLE
+is passed over (its sessions go to the next replica on the ring) for a cool-down, also with a static
+list, where no discovery would ever drop it.
 """
 from __future__ import annotations
 
@@ -12,13 +14,15 @@ import bisect
 import hashlib
 import logging
 import socket
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from specdec.errors import WorkerUnavailable
+from specdec.errors import DeadlineExceeded, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 B = TypeVar("B")
+R = TypeVar("R")
 
 
 def _point(key: str) -> int:
@@ -41,11 +45,55 @@ class HashRing:
         self._owners = [n for _, n in ring]
         self.nodes = tuple(sorted(set(nodes)))
 
-    def node_for(self, key: str) -> str:
+    def node_for(self, key: str, passed_over: Callable[[str], bool] = lambda node: False) -> str:
+        """The key's node: the owner of the next point on the ring, or the first one after it that is
+        not passed over (the owner itself if all are)."""
         if not self._points:
             raise WorkerUnavailable("no worker replicas discovered")
-        i = bisect.bisect(self._points, _point(key)) % len(self._points)
-        return self._owners[i]
+        start = bisect.bisect(self._points, _point(key))
+        for step in range(len(self._points)):
+            node = self._owners[(start + step) % len(self._points)]
+            if not passed_over(node):
+                return node
+        return self._owners[start % len(self._points)]
+
+
+class ReplicaEjection:
+    """Which replicas to pass over (pure): one whose calls have failed UNAVAILABLE for EJECT_AFTER_S
+    with no success between is passed over for a cool-down, doubled each time it fails again after
+    coming back (up to MAX_COOLDOWN_S); one success clears it. Measured in time, not in failed calls:
+    the calls of every session in flight at a blip fail together, and a blip should not move them."""
+
+    EJECT_AFTER_S = 1.0
+    COOLDOWN_S = 5.0
+    MAX_COOLDOWN_S = 60.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._failing_since: dict[str, float] = {}
+        self._cooldown: dict[str, float] = {}
+        self._until: dict[str, float] = {}
+
+    def failed(self, node: str) -> None:
+        now = self._clock()
+        since = self._failing_since.setdefault(node, now)
+        if now - since >= self.EJECT_AFTER_S and not self.passed_over(node):
+            cooldown = min(self.MAX_COOLDOWN_S, 2 * self._cooldown[node] if node in self._cooldown else self.COOLDOWN_S)
+            self._cooldown[node], self._until[node] = cooldown, now + cooldown
+            log.warning("replica %s has failed for %.1f s: its sessions go to other replicas for %.0f s",
+                        node, now - since, cooldown)
+
+    def succeeded(self, node: str) -> None:
+        if self._failing_since.pop(node, None) is not None:
+            self._cooldown.pop(node, None)
+            self._until.pop(node, None)
+
+    def passed_over(self, node: str) -> bool:
+        return self._clock() < self._until.get(node, 0.0)
+
+    def forget(self, node: str) -> None:
+        for entries in (self._failing_since, self._cooldown, self._until):
+            entries.pop(node, None)
 
 
 def parse_targets(spec: str) -> tuple[list[str], str | None]:
@@ -81,6 +129,7 @@ class ReplicaPool(Generic[B]):
         self.refresh_s = refresh_s
         static, self.dns_name = parse_targets(spec)
         self.ring = HashRing()
+        self.ejection = ReplicaEjection()
         self.backends: dict[str, B] = {}
         self._task: asyncio.Task[None] | None = None
         if static:
@@ -95,6 +144,7 @@ class ReplicaPool(Generic[B]):
                 self.backends[address] = self._make(address)
         removed = [a for a in self.backends if a not in addresses]
         for address in removed:
+            self.ejection.forget(address)
             asyncio.get_running_loop().create_task(_close(self.backends.pop(address)))
         log.info("%s replicas: %s", self.role, ", ".join(addresses) or "none")
         self.ring.set_nodes(addresses)
@@ -120,13 +170,32 @@ class ReplicaPool(Generic[B]):
             await asyncio.sleep(self.refresh_s)
             await self.refresh()
 
-    def backend_for(self, session_id: str) -> B:
-        return self.backends[self.ring.node_for(session_id)]
+    def node_for(self, session_id: str) -> str:
+        return self.ring.node_for(session_id, self.ejection.passed_over)
 
-    def any_backend(self) -> B:
+    async def call(self, node: str, run: Callable[[B], Awaitable[R]]) -> R:
+        """run(the node's backend), with its outcome told to the ejection rule."""
+        try:
+            result = await run(self.backends[node])
+        except WorkerUnavailable:
+            self.ejection.failed(node)
+            raise
+        self.ejection.succeeded(node)
+        return result
+
+    async def first_answer(self, run: Callable[[B], Awaitable[R]]) -> R:
+        """run() on each replica in turn (those not passed over first) until one answers: startup
+        and GetInfo must not depend on one replica, the first of a static list, being up."""
         if not self.backends:
             raise WorkerUnavailable(f"no {self.role} replicas discovered from {self.spec}")
-        return self.backends[self.ring.nodes[0]]
+        error: Exception | None = None
+        for node in sorted(self.ring.nodes, key=self.ejection.passed_over):
+            try:
+                return await self.call(node, run)
+            except (WorkerUnavailable, DeadlineExceeded) as exc:
+                error = exc
+        assert error is not None
+        raise error
 
     async def close(self) -> None:
         if self._task is not None:
@@ -142,13 +211,17 @@ class _Routed:
         self.pool = pool
 
     def node_for(self, session_id: str) -> str:
-        return self.pool.ring.node_for(session_id)
+        return self.pool.node_for(session_id)
+
+    async def _call(self, session_id: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        return await self.pool.call(self.pool.node_for(session_id),
+                                    lambda backend: getattr(backend, method)(session_id, *args, **kwargs))
 
     async def end_session(self, session_id: str) -> bool:
-        return await self.pool.backend_for(session_id).end_session(session_id)
+        return await self._call(session_id, "end_session")
 
     async def describe(self, timeout_s: float | None = None) -> Any:
-        return await self.pool.any_backend().describe(timeout_s)
+        return await self.pool.first_answer(lambda backend: backend.describe(timeout_s))
 
     async def close(self) -> None:
         await self.pool.close()
@@ -158,11 +231,11 @@ class RoutedDraft(_Routed):
     """DraftBackend over a pool of draft replicas."""
 
     async def propose(self, session_id: str, *args: Any, **kwargs: Any) -> Any:
-        return await self.pool.backend_for(session_id).propose(session_id, *args, **kwargs)
+        return await self._call(session_id, "propose", *args, **kwargs)
 
 
 class RoutedTarget(_Routed):
     """TargetBackend over a pool of target replicas."""
 
     async def verify(self, session_id: str, *args: Any, **kwargs: Any) -> Any:
-        return await self.pool.backend_for(session_id).verify(session_id, *args, **kwargs)
+        return await self._call(session_id, "verify", *args, **kwargs)

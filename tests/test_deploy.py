@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.app import OrchestratorConfig, start_orchestrator
-from orchestrator.routing import HashRing, ReplicaPool
+from orchestrator.routing import HashRing, ReplicaEjection, ReplicaPool
 from specdec import security
 from specdec.v1 import orchestrator_pb2_grpc
 from tests.stack import request, start_stack, start_worker
@@ -91,7 +91,7 @@ async def test_dns_discovery_resolves_replicas() -> None:
     try:
         await pool.start()
         assert f"127.0.0.1:{handle.port}" in pool.backends
-        assert pool.backend_for("any-session") in pool.backends
+        assert pool.node_for("any-session") in pool.backends
     finally:
         await pool.close()
         await handle.stop(0)
@@ -283,5 +283,63 @@ async def test_one_dead_draft_replica_does_not_stop_speculation_elsewhere() -> N
             await backend.close()
         await handle.stop(0)
         for h, servicer in drafts + [target]:
+            await h.stop(0)
+            servicer.close()
+
+
+def test_a_replica_failing_for_a_second_is_passed_over_for_a_cool_down() -> None:
+    now = [0.0]
+    ejection = ReplicaEjection(clock=lambda: now[0])
+    for t in (0.0, 0.2, 0.5):  # a blip: every session's call fails at once, then within the second
+        now[0] = t
+        ejection.failed("a")
+    assert not ejection.passed_over("a")
+    now[0] = 1.2
+    ejection.failed("a")
+    assert ejection.passed_over("a") and not ejection.passed_over("b")
+    now[0] = 6.3
+    assert not ejection.passed_over("a")  # back after 5 s: its sessions try it again
+    ejection.failed("a")  # still down: passed over at once, for twice as long
+    now[0] = 16.0
+    assert ejection.passed_over("a")
+    now[0] = 16.4
+    ejection.succeeded("a")
+    ejection.failed("a")
+    assert not ejection.passed_over("a")  # a success cleared it: a new streak starts
+
+    ring = HashRing(["a", "b", "c"])
+    keys = [f"k{i}" for i in range(200)]
+    on_a = [k for k in keys if ring.node_for(k) == "a"]
+    assert on_a and all(ring.node_for(k, lambda node: node == "a") in ("b", "c") for k in on_a)
+    assert all(ring.node_for(k, lambda node: node == "a") == ring.node_for(k) for k in keys if k not in on_a)
+    assert ring.node_for(on_a[0], lambda node: True) == "a"  # all passed over: the owner
+
+
+async def test_a_dead_replica_of_a_static_list_is_routed_around_from_startup_on() -> None:
+    """--target with two replicas, the first (as sorted) dead from the start: the orchestrator starts,
+    and a session hashed to the dead one is served by the other after the second it takes to pass it
+    over (a re-prefill there), token for token as the target alone."""
+    dead = "127.0.0.1:1"  # nobody listens; first in sorted order, as startup used to ask only that one
+    draft = await start_worker("draft", "tiny:seed=0,noise=0.01")
+    live = await start_worker("target", "tiny:seed=0")
+    targets = [f"127.0.0.1:{live[0].port}", dead]
+    cfg = OrchestratorConfig(f"127.0.0.1:{draft[0].port}", ",".join(targets), "tiny:seed=0", connect_timeout_s=10)
+    handle, orch, backends = await start_orchestrator(cfg)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
+    stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+    try:
+        ring = orch.engine.target.pool.ring
+        assert ring.nodes[0] == dead
+        on_dead = next(f"s{i}" for i in range(100) if ring.node_for(f"s{i}") == dead)
+        reply = await stub.Generate(request(prompt_ids=[1, 2], max_new_tokens=12, session_id=on_dead,
+                                            speculation={"fixed_k": 3}), timeout=30)
+        assert list(reply.token_ids) == reference_greedy([1, 2], 12)
+        assert orch.engine.target.node_for(on_dead) != dead
+    finally:
+        await channel.close()
+        for backend in backends:
+            await backend.close()
+        await handle.stop(0)
+        for h, servicer in (draft, live):
             await h.stop(0)
             servicer.close()
