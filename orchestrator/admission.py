@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 from asyncio_throttle import Throttler
@@ -22,13 +23,20 @@ class Admission:
         self.running = 0
         self.waiting = 0
         self.rejected = 0
+        self.mean_request_s = 1.0  # decayed mean time a request holds its slot (a guess until one ends)
+
+    def retry_after_ms(self) -> int:
+        """About when a place frees: the queue ahead drains max_concurrent requests per mean request."""
+        rounds = 1 + self.waiting // max(1, self.max_concurrent)
+        return int(min(60_000.0, max(100.0, 1000.0 * self.mean_request_s * rounds / max(1, self.max_concurrent))))
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
         if self.running >= self.max_concurrent and self.waiting >= self.max_queue:
             self.rejected += 1
             raise CapacityExceeded(f"server busy: {self.running} requests running and {self.waiting} queued "
-                                   f"(limits {self.max_concurrent} + {self.max_queue}); retry with backoff")
+                                   f"(limits {self.max_concurrent} + {self.max_queue}); retry with backoff",
+                                   self.retry_after_ms())
         self.waiting += 1
         try:
             if self._throttler is not None:
@@ -38,8 +46,10 @@ class Admission:
         finally:
             self.waiting -= 1
         self.running += 1
+        started = time.monotonic()
         try:
             yield
         finally:
             self.running -= 1
             self._semaphore.release()
+            self.mean_request_s += 0.2 * (time.monotonic() - started - self.mean_request_s)

@@ -23,6 +23,11 @@ class CacheMismatch(SpecdecError):
 class CapacityExceeded(SpecdecError):
     code_name = "RESOURCE_EXHAUSTED"
 
+    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        if retry_after_ms is not None:  # sent as the retry-after-ms trailer (grpc_util)
+            self.retry_after_ms = retry_after_ms
+
 
 class WorkerUnavailable(SpecdecError):
     code_name = "UNAVAILABLE"

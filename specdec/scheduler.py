@@ -70,8 +70,7 @@ MIN_PROMPT_CHUNK = 16
 
 class QueueFull(CapacityExceeded):
     def __init__(self, message: str, retry_after_ms: int) -> None:
-        super().__init__(message)
-        self.retry_after_ms = retry_after_ms
+        super().__init__(message, retry_after_ms)
 
 
 @dataclass(frozen=True)

@@ -313,9 +313,22 @@ async def test_over_capacity_gets_resource_exhausted() -> None:
         assert len(served) == 2 and len(rejected) == 3  # one running + one queued
         assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in rejected)
         assert "server busy" in rejected[0].details()
+        hints = [next((v for k, v in r.trailing_metadata() or () if k == "retry-after-ms"), None) for r in rejected]
+        assert all(h is not None and 100 <= int(h) <= 60_000 for h in hints)  # when to come back
         assert stack.orch.admission.running == 0 and stack.orch.admission.waiting == 0
     finally:
         await stack.close()
+
+
+def test_the_admission_retry_hint_follows_the_measured_request_time() -> None:
+    from orchestrator.admission import Admission
+    admission = Admission(max_concurrent=4, max_queue=8)
+    admission.mean_request_s = 2.0
+    assert admission.retry_after_ms() == 500  # a place frees every 2 s / 4 slots
+    admission.waiting = 8
+    assert admission.retry_after_ms() == 1500  # and 8 are ahead: two more rounds of 4
+    admission.mean_request_s = 1e-4
+    assert admission.retry_after_ms() == 100  # never a busy loop
 
 
 # ----------------------------------------------------------------------------- 6. bad input
