@@ -26,9 +26,9 @@ class Admission:
         self.mean_request_s = 1.0  # decayed mean time a request holds its slot (a guess until one ends)
 
     def retry_after_ms(self) -> int:
-        """About when a place frees: the queue ahead drains max_concurrent requests per mean request."""
-        rounds = 1 + self.waiting // max(1, self.max_concurrent)
-        return int(min(60_000.0, max(100.0, 1000.0 * self.mean_request_s * rounds / max(1, self.max_concurrent))))
+        """About when a place in the queue frees: one of max_concurrent requests ends every mean
+        request time / max_concurrent (at least 100 ms, at most 60 s)."""
+        return int(min(60_000.0, max(100.0, 1000.0 * self.mean_request_s / max(1, self.max_concurrent))))
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:

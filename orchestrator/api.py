@@ -106,6 +106,7 @@ class EngineLimits:
     max_new_tokens: int = 4096
     max_prompt_chars: int = 1_000_000
     max_stop_strings: int = 16
+    max_stop_chars: int = 1024  # each stop string's length: every round searches the tail that long
     max_sessions: int = 10_000
     session_ttl_s: float = 600.0
     # How long a round keeps retrying an unreachable target (a restart) before UNAVAILABLE.

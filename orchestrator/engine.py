@@ -62,8 +62,10 @@ class GenerationEngine:
         # Server-wide observers of every round (metrics, traces).
         self.observers = list(observers)
         pool = getattr(draft, "pool", None)
-        self.draft_health = DraftHealthBoard(lambda session_id: self._replica(self.draft, "draft", session_id),
-                                             lambda: set(pool.ring.nodes) if pool is not None else {"draft"})
+        # (a replica passed over for failing is not in use: its sessions draft on the others)
+        self.draft_health = DraftHealthBoard(
+            lambda session_id: self._replica(self.draft, "draft", session_id),
+            lambda: {n for n in pool.ring.nodes if not pool.ejection.passed_over(n)} if pool is not None else {"draft"})
         # Priors per (draft replica, target replica) pair: a new session starts from what recent
         # sessions measured on the same pair (speeds and acceptance differ between pairs).
         self.priors: dict[str, SessionStats] = {}
@@ -106,8 +108,8 @@ class GenerationEngine:
             raise InvalidRequest(f"max_new_tokens={params.max_new_tokens} is above the limit of {self.limits.max_new_tokens}")
         if len(params.stop) > self.limits.max_stop_strings:
             raise InvalidRequest(f"at most {self.limits.max_stop_strings} stop strings")
-        if any(not s for s in params.stop):
-            raise InvalidRequest("stop strings must be non-empty")
+        if any(not s or len(s) > self.limits.max_stop_chars for s in params.stop):
+            raise InvalidRequest(f"stop strings must be non-empty and at most {self.limits.max_stop_chars} characters")
         try:
             SamplingConfig(params.temperature, params.top_k, params.top_p).validate()
         except ValueError as exc:

@@ -187,6 +187,8 @@ class TimingModel:
     # The draft's forward cost over token rows (its startup calibration): what the rows of branch
     # pre-drafts add to each of its forwards (flat on a GPU, growing on a CPU).
     draft_curve: tuple[tuple[int, float], ...] = ()
+    # load_factor's running maximum over k, for one (batch, rows curve): every k of every round reads it.
+    _factors: tuple[float, object, list[float]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def draft_rows_factor(self, rows: int) -> float:
         """A draft forward over `rows` rows against one row. Unmeasured: rows (as if linear), so
@@ -211,7 +213,14 @@ class TimingModel:
         largest load factor of any k' <= k. The factor alone is not monotone: where the rows curve
         steps up at k + 1 rows but not at B(k + 1), it falls, and with a per-k cost alone that does not
         have the step (measured by other rounds than the curve), k + 1 drafts were priced below k."""
-        return self.solo_verify_ms(k) * max(self.load_factor(j) for j in range(k + 1))
+        batch, curve = self.load.target_batch.value, self.load.rows_curve()
+        if self._factors is None or self._factors[0] != batch or self._factors[1] is not curve:
+            self._factors = (batch, curve, [])
+        factors = self._factors[2]
+        while len(factors) <= k:
+            factor = self.load_factor(len(factors), batch)
+            factors.append(max(factor, factors[-1]) if factors else factor)
+        return self.solo_verify_ms(k) * factors[k]
 
     def solo_verify_ms(self, k: int) -> float:
         """Verify cost of k drafts with the target to this session alone, monotone in k.

@@ -67,15 +67,22 @@ class ReplicaEjection:
     EJECT_AFTER_S = 1.0
     COOLDOWN_S = 5.0
     MAX_COOLDOWN_S = 60.0
+    STREAK_GAP_S = 10.0  # failures further apart than this (no calls between) are separate blips
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._failing_since: dict[str, float] = {}
+        self._last_failure: dict[str, float] = {}
         self._cooldown: dict[str, float] = {}
         self._until: dict[str, float] = {}
 
     def failed(self, node: str) -> None:
         now = self._clock()
+        quiet_since = max(self._last_failure.get(node, now), self._until.get(node, 0.0))
+        if now - quiet_since > self.STREAK_GAP_S:  # a new blip, not the outage going on
+            for entries in (self._failing_since, self._cooldown, self._until):
+                entries.pop(node, None)
+        self._last_failure[node] = now
         since = self._failing_since.setdefault(node, now)
         if now - since >= self.EJECT_AFTER_S and not self.passed_over(node):
             cooldown = min(self.MAX_COOLDOWN_S, 2 * self._cooldown[node] if node in self._cooldown else self.COOLDOWN_S)
@@ -85,14 +92,14 @@ class ReplicaEjection:
 
     def succeeded(self, node: str) -> None:
         if self._failing_since.pop(node, None) is not None:
-            self._cooldown.pop(node, None)
-            self._until.pop(node, None)
+            for entries in (self._last_failure, self._cooldown, self._until):
+                entries.pop(node, None)
 
     def passed_over(self, node: str) -> bool:
         return self._clock() < self._until.get(node, 0.0)
 
     def forget(self, node: str) -> None:
-        for entries in (self._failing_since, self._cooldown, self._until):
+        for entries in (self._failing_since, self._last_failure, self._cooldown, self._until):
             entries.pop(node, None)
 
 

@@ -7,14 +7,16 @@ INCOMPLETE = "\ufffd"  # what a decoder yields for the first bytes of a characte
 
 
 class TextAssembler:
-    """Turns generated token ids into text deltas, in time linear in the output.
+    """Turns generated token ids into text deltas, with a bounded decode per token.
 
     New tokens are decoded together with the tokens since the last complete character as context
     (their text is the difference), not by decoding the whole output again: that made a turn
     quadratic, 0.8 ms a token at 8,000 tokens with a stop string, on the orchestrator's event loop.
-    This is exact for byte-level BPE and SentencePiece decoders, whose text for a token does not depend
-    on tokens before the context. Holds back text that may still change: an incomplete UTF-8
-    sequence at the end and any suffix that could be the start of a stop string.
+    Exact where a token's text does not depend on the tokens before the context (byte-level BPE,
+    SentencePiece; HFTokenizer.decode turns off the clean-up of spaces, which breaks that). A token
+    that ends in the first bytes of a character keeps the characters before them visible (searched
+    for stop strings, released) until the next token completes it. Holds back text that may still
+    change: an incomplete character at the end, and any suffix that could begin a stop string.
     """
 
     def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str]) -> None:
@@ -22,10 +24,11 @@ class TextAssembler:
         self._stop = [s for s in stop if s]
         self._longest_stop = max((len(s) for s in self._stop), default=0)
         self._ids: list[int] = []
-        self._text = ""  # the text of ids[:_read], whole characters only
+        self._text = ""  # the text of ids[:_read]
+        self._pending = ""  # the whole characters of ids[_read:], whose last token ends mid-character
         self._context = 0  # ids[_context:_read] are decoded again with the next tokens
         self._read = 0
-        self._emitted = 0  # characters of _text given out so far
+        self._emitted = 0  # characters given out so far
         self.stopped = False
 
     @property
@@ -34,24 +37,24 @@ class TextAssembler:
 
     @property
     def emitted(self) -> str:
-        return self._text[:self._emitted]
+        return self._visible(0, self._emitted)
 
     def add(self, new_ids: Sequence[int]) -> tuple[str, int]:
         """Add tokens; returns (text delta, how many of new_ids to keep: fewer if a stop string ended)."""
         if not self._stop:
             self._ids.extend(new_ids)
             self._decode_new()
-            return self._release(len(self._text)), len(new_ids)
+            return self._release(self._visible_len()), len(new_ids)
         for i, token in enumerate(new_ids):
             self._ids.append(token)
-            searched_to = len(self._text)
+            searched_to = self._visible_len()
             self._decode_new()
             cut = self._find_stop(max(0, searched_to - self._longest_stop + 1))
             if cut is not None:
                 self.stopped = True
-                self._text = self._text[:cut]
+                self._text, self._pending = self._visible(0, cut), ""
                 return self._release(cut), i + 1
-        return self._release(len(self._text) - self._stop_prefix_len()), len(new_ids)
+        return self._release(self._visible_len() - self._stop_prefix_len()), len(new_ids)
 
     def flush(self) -> str:
         """At the end: release held-back text (without a stop string)."""
@@ -61,31 +64,50 @@ class TextAssembler:
         return self._release(len(self._text))
 
     def _decode_new(self, final: bool = False) -> None:
-        """Append the text of the tokens past _read, unless it ends in an incomplete character."""
+        """Append the text of the tokens past _read; while it ends mid-character, only show it."""
         if self._read == len(self._ids):
             return
         context = self._decode(self._ids[self._context:self._read])
-        text = self._decode(self._ids[self._context:])
-        if len(text) > len(context) and (final or not text.endswith(INCOMPLETE)):
-            self._text += text[len(context):]
+        new = self._decode(self._ids[self._context:])[len(context):]
+        if final or not new.endswith(INCOMPLETE):
+            self._text += new
+            self._pending = ""
             self._context, self._read = self._read, len(self._ids)
+        else:
+            self._pending = new.rstrip(INCOMPLETE)
+
+    def _visible_len(self) -> int:
+        return len(self._text) + len(self._pending)
+
+    def _visible(self, start: int, end: int) -> str:
+        """text + pending, [start:end], without joining the two whole."""
+        n = len(self._text)
+        if end <= n:
+            return self._text[start:end]
+        if start >= n:
+            return self._pending[start - n:end - n]
+        return self._text[start:] + self._pending[:end - n]
 
     def _release(self, end: int) -> str:
-        delta = self._text[self._emitted:end]
+        delta = self._visible(self._emitted, end) if end > self._emitted else ""
         self._emitted = max(self._emitted, end)
         return delta
 
     def _find_stop(self, start: int) -> int | None:
-        """The first stop string in _text at or after start (earlier ones were searched before)."""
-        hits = [h for h in (self._text.find(s, start) for s in self._stop) if h >= 0]
-        return min(hits) if hits else None
+        """The first stop string at or after start in the visible text (earlier ones were searched)."""
+        window = self._visible(start, self._visible_len())
+        hits = [h for h in (window.find(s) for s in self._stop) if h >= 0]
+        return start + min(hits) if hits else None
 
     def _stop_prefix_len(self) -> int:
-        """The longest suffix of _text that could begin a stop string: held back until it cannot."""
+        """The longest suffix of the visible text that could begin a stop string: held back until
+        it cannot."""
+        end = self._visible_len()
+        tail = self._visible(max(0, end - self._longest_stop), end)
         held = 0
         for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(self._text)), held, -1):
-                if self._text.endswith(stop[:n]):
+            for n in range(min(len(stop) - 1, len(tail)), held, -1):
+                if tail.endswith(stop[:n]):
                     held = n
                     break
         return held

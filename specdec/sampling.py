@@ -2,7 +2,8 @@
 
 Both workers warp with the same function (temperature -> top-k -> top-p), and the draft samples from
 exactly the sparse q it sends. Every random decision goes through a `Randomness` object: in service it
-is `SeededRandomness`, counter-based uniforms keyed by (seed, absolute position, stream), so results do
+is `SeededRandomness`, counter-based uniforms keyed by (seed, absolute position, stream; a draft draw
+also by its whole prefix), so results do
 not depend on which replica ran a call or how often a cache was rebuilt and a request seed reproduces
 the whole generation. The exact-enumeration tests swap in a source that branches on every decision,
 so they run this very code, not a copy of it.

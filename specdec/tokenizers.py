@@ -57,7 +57,10 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        """Without the clean-up of spaces some tokenizers turn on (Llama 3: " ." becomes "."): it
+        rewrites text across the point where the orchestrator's incremental decoding joins two
+        decodes (orchestrator/text.py), and a stream would lose characters."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """InvalidRequest where the template refuses the messages (its own raise_exception: roles not

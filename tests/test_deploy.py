@@ -306,6 +306,9 @@ def test_a_replica_failing_for_a_second_is_passed_over_for_a_cool_down() -> None
     ejection.succeeded("a")
     ejection.failed("a")
     assert not ejection.passed_over("a")  # a success cleared it: a new streak starts
+    now[0] = 30.0
+    ejection.failed("a")  # 13.6 s later, no calls between (an idle replica): another blip, not the same
+    assert not ejection.passed_over("a")
 
     ring = HashRing(["a", "b", "c"])
     keys = [f"k{i}" for i in range(200)]

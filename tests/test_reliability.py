@@ -325,8 +325,6 @@ def test_the_admission_retry_hint_follows_the_measured_request_time() -> None:
     admission = Admission(max_concurrent=4, max_queue=8)
     admission.mean_request_s = 2.0
     assert admission.retry_after_ms() == 500  # a place frees every 2 s / 4 slots
-    admission.waiting = 8
-    assert admission.retry_after_ms() == 1500  # and 8 are ahead: two more rounds of 4
     admission.mean_request_s = 1e-4
     assert admission.retry_after_ms() == 100  # never a busy loop
 

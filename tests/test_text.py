@@ -65,19 +65,37 @@ def stream(asm: TextAssembler, ids: list[int], chunks: list[int]) -> tuple[str, 
     return "".join(out), kept
 
 
+# Tokens of several bytes, as byte-level BPE has them: whole characters, split ones, and whole
+# characters followed by the first byte of another (Qwen's id 2226 is "о" and a lone 0xd0).
+CHUNKS = [b"a", b"b", b" ", b"\n", "\u00e9".encode(), "\u2713".encode(), "\U0001f600".encode(), b"\xff", b"\x80",
+          b"\xe2\x9c", "\u043e".encode() + b"\xd0", b"\x90", b"a\xf0\x9f", b"\x98\x80b", b"\xc3", b"\xa9 "]
+
+
+def chunk_decode(ids: list[int]) -> str:
+    return b"".join(CHUNKS[i] for i in ids).decode("utf-8", errors="replace")
+
+
 def test_incremental_text_equals_decoding_the_whole_output_every_time() -> None:
-    """Random bytes (whole and split multibyte characters, invalid sequences), random stop strings and
+    """Random multi-byte tokens (whole and split characters, invalid bytes), random stop strings and
     round sizes: the deltas add up to the reference text, and the kept tokens end at the same one."""
     rng = random.Random(7)
-    pieces = [b"a", b"b", b" ", b"\n", "é".encode(), "✓".encode(), "😀".encode(), b"\xff", b"\x80", b"\xe2\x9c"]
-    for _ in range(400):
-        ids = list(b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 30))))
-        stop = rng.sample(["ab", "b\n", "é a", "✓✓", "a", "\n\n", "😀b"], rng.randint(0, 3))
+    stops = ["ab", "b\n", "\u00e9 a", "\u2713\u2713", "a", "\n\n", "\U0001f600b", "\u043e", "\u0410"]
+    for _ in range(600):
+        ids = [rng.randrange(len(CHUNKS)) for _ in range(rng.randint(0, 20))]
+        stop = rng.sample(stops, rng.randint(0, 3))
         chunks = [rng.randint(1, 5) for _ in range(len(ids))]
-        asm = TextAssembler(tok.decode, stop)
+        asm = TextAssembler(chunk_decode, stop)
         text, kept = stream(asm, ids, chunks)
-        assert (text, kept) == whole_output_reference(ids, stop), (ids, stop, chunks)
+        assert (text, kept) == whole_output_reference(ids, stop, chunk_decode), (ids, stop, chunks)
         assert asm.emitted == text
+
+
+def test_a_stop_string_before_a_split_character_ends_the_turn_at_its_token() -> None:
+    """Token 10 holds "\u043e" and the first byte of "\u0410": the stop string "\u043e" is complete
+    with it, so the turn keeps two tokens, not three, and never shows the stop string."""
+    for chunk in (1, 2, 10):
+        asm = TextAssembler(chunk_decode, ["\u043e"])
+        assert stream(asm, [0, 10, 11, 1], [chunk] * 4) == ("a", 2) and asm.stopped
 
 
 def sentencepiece_decode(vocab: list[str]):
@@ -103,3 +121,17 @@ def test_each_token_is_decoded_with_a_short_context_not_the_whole_output() -> No
     asm = TextAssembler(lambda ids: longest.append(len(ids)) or tok.decode(ids), ["STOP"])
     stream(asm, tok.encode("x" * 2000 + "é" * 100), [3] * 800)
     assert max(longest) <= 4  # the tokens of one character and its context
+
+
+def test_the_hf_tokenizer_decodes_without_cleaning_up_spaces() -> None:
+    """Llama 3's tokenizer cleans up " ." to "." by default: across the join of two decodes that
+    lost the "." of "word ." in a stream ("word  next" against "word. next" decoded whole)."""
+    from specdec.tokenizers import HFTokenizer
+
+    class Recording:
+        def decode(self, ids, **kwargs):
+            self.kwargs = kwargs
+            return ""
+    tok = Recording()
+    HFTokenizer(tok, [0]).decode([1, 2])
+    assert tok.kwargs == {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}

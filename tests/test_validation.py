@@ -26,6 +26,7 @@ BAD_REQUESTS = [
     (dict(prompt="x", session_id=""), "session_id must be"),
     (dict(prompt="x", session_id="a" * 1000), "session_id must be"),
     (dict(prompt="x", stop=[""]), "stop strings must be non-empty"),
+    (dict(prompt="x", stop=["y" * 1025]), "at most 1024 characters"),
     (dict(messages=[("robot", "hi")]), "unknown message role"),
     (dict(prompt_ids=[1] * 5000), "exceeds the model context"),
 ]
