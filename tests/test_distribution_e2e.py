@@ -339,8 +339,10 @@ async def test_first_tokens_follow_target_distribution(small_vocab_models: None,
     assert sample.draft_tokens > 0, "the speculative path never ran"
     if speculation.get("pipeline") or policy == "overlap":
         # "overlap": round 1 is sampled by the target alone while the draft pre-drafts; round 2 uses
-        # that pre-draft on a hit (orchestrator/rounds.py): that path must be in the sample.
-        assert sample.predraft_hits > 0.05 * n, f"pre-draft hits {sample.predraft_hits} in {n} requests"
+        # that pre-draft on a hit (orchestrator/rounds.py): that path must be in the sample. How often
+        # depends on the cost policy's k under the test's concurrent load: "overlap" hit in 4.9-5.8 %
+        # of requests (8.3 % before the verify price under load was made monotone in k, 2026-11-25).
+        assert sample.predraft_hits > 0.025 * n, f"pre-draft hits {sample.predraft_hits} in {n} requests"
     if policy == "guard-flips":  # both kinds of epoch are in the sample
         assert sample.guard_off_rounds > 0.05 * n, f"{sample.guard_off_rounds} forced k = 0 rounds in {n} requests"
     fit = pearson_fit(sample.counts, reference)

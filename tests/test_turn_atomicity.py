@@ -17,6 +17,7 @@ from orchestrator.config import SpeculationOverride
 from orchestrator.api import GenerateParams
 from orchestrator.engine import GenerationEngine
 from orchestrator.rounds import DraftHealth
+from orchestrator.routing import ReplicaEjection
 from specdec.errors import DeadlineExceeded, InvalidRequest, WorkerUnavailable
 from specdec.models import ByteTokenizer
 from specdec.v1 import common_pb2
@@ -285,7 +286,7 @@ class _DraftLeavingMidCall:
     """A routed draft whose only replica leaves discovery during a call (its channel closes)."""
 
     def __init__(self) -> None:
-        self.pool = type("Pool", (), {"ring": _Ring(["old:1"])})()
+        self.pool = type("Pool", (), {"ring": _Ring(["old:1"]), "ejection": ReplicaEjection()})()
 
     def node_for(self, session_id: str) -> str:
         return self.pool.ring.node_for(session_id)
