@@ -12,9 +12,9 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 from orchestrator.api import EngineLimits, GenerateParams, GenerationEvent, GenerationStats
 from orchestrator.backends import DraftBackend, TargetBackend, WorkerDescription
@@ -23,6 +23,7 @@ from orchestrator.guard import TARGET_ONLY, PairGuard
 from orchestrator.kpolicy import CostModelPolicy, SessionStats, TargetLoad
 from orchestrator.record import RoundObserver, RoundRecord
 from orchestrator.rounds import Deadline, DraftHealthBoard, Round, Workers
+from orchestrator.routing import bounded_entry
 from orchestrator.sessions import OrchestratorSession, OrchestratorSessions
 from orchestrator.stopping import StopConditions
 from specdec.contract import SamplingConfig, validate_session_id
@@ -30,18 +31,6 @@ from specdec.errors import InvalidRequest, SessionBusy, SessionNotFound, Specdec
 from specdec.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
-
-V = TypeVar("V")
-MAX_REPLICA_ENTRIES = 1024  # per-replica state is bounded: replicas come and go with scaling
-
-
-def _bounded_entry(entries: dict[str, V], key: str, make: Callable[[], V]) -> V:
-    """entries[key], created on first use; the oldest entry goes when the map is full."""
-    if key not in entries:
-        if len(entries) >= MAX_REPLICA_ENTRIES:
-            entries.pop(next(iter(entries)))
-        entries[key] = make()
-    return entries[key]
 
 
 class GenerationEngine:
@@ -62,10 +51,8 @@ class GenerationEngine:
         # Server-wide observers of every round (metrics, traces).
         self.observers = list(observers)
         pool = getattr(draft, "pool", None)
-        # (a replica passed over for failing is not in use: its sessions draft on the others)
-        self.draft_health = DraftHealthBoard(
-            lambda session_id: self._replica(self.draft, "draft", session_id),
-            lambda: {n for n in pool.ring.nodes if not pool.ejection.passed_over(n)} if pool is not None else {"draft"})
+        self.draft_health = DraftHealthBoard(lambda session_id: self._replica(self.draft, "draft", session_id),
+                                             pool.in_use if pool is not None else lambda: {"draft"})
         # Priors per (draft replica, target replica) pair: a new session starts from what recent
         # sessions measured on the same pair (speeds and acceptance differ between pairs).
         self.priors: dict[str, SessionStats] = {}
@@ -155,11 +142,11 @@ class GenerationEngine:
         return f"{self._replica(self.draft, 'draft', session_id)}|{self._replica(self.target, 'target', session_id)}"
 
     def prior_for(self, session_id: str) -> SessionStats:
-        return _bounded_entry(self.priors, self.pair_key(session_id), self._new_prior)
+        return bounded_entry(self.priors, self.pair_key(session_id), self._new_prior)
 
     def guard_for(self, session_id: str) -> PairGuard:
         key = self.pair_key(session_id)
-        return _bounded_entry(self.guards, key, lambda: PairGuard(self.speculation.guard_settings(), key))
+        return bounded_entry(self.guards, key, lambda: PairGuard(self.speculation.guard_settings(), key))
 
     def _new_prior(self) -> SessionStats:
         prior = self.seed_stats.as_pair_prior()

@@ -42,6 +42,7 @@ from orchestrator.backends import DraftBackend, DraftReply, TargetBackend, Verif
 from orchestrator.guard import GuardTicket, PairGuard, without_prompt_rows
 from orchestrator.kpolicy import branch_budget
 from orchestrator.record import RoundRecord
+from orchestrator.routing import bounded_entry
 from orchestrator.sessions import OrchestratorSession, WorkerView
 from orchestrator.stopping import StopConditions
 from specdec.contract import MAX_K, SamplingConfig
@@ -90,8 +91,6 @@ class DraftHealthBoard:
     and the one health entry they make together: degraded while a replica that sessions are routed
     to is in backoff. A replica gone from discovery (a replaced pod) no longer counts."""
 
-    MAX_ENTRIES = 1024  # replicas come and go with scaling
-
     def __init__(self, replica_of: Callable[[str], str], current_replicas: Callable[[], set[str]]) -> None:
         self._replica_of, self._current = replica_of, current_replicas
         self.entries: dict[str, DraftHealth] = {}
@@ -101,12 +100,7 @@ class DraftHealthBoard:
 
     def for_session(self, session_id: str) -> DraftHealth:
         """The health of the replica the session's draft calls go to now."""
-        replica = self._replica_of(session_id)
-        if replica not in self.entries:
-            if len(self.entries) >= self.MAX_ENTRIES:
-                self.entries.pop(next(iter(self.entries)))
-            self.entries[replica] = DraftHealth()
-        return self.entries[replica]
+        return bounded_entry(self.entries, self._replica_of(session_id), DraftHealth)
 
     @property
     def degraded(self) -> bool:

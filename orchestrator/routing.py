@@ -23,6 +23,18 @@ from specdec.errors import DeadlineExceeded, WorkerUnavailable
 log = logging.getLogger(__name__)
 B = TypeVar("B")
 R = TypeVar("R")
+V = TypeVar("V")
+MAX_REPLICA_ENTRIES = 1024  # per-replica state is bounded: replicas come and go with scaling
+
+
+def bounded_entry(entries: dict[str, V], key: str, make: Callable[[], V]) -> V:
+    """entries[key] of a map keyed by replica (or replica pair), created on first use; the oldest
+    entry goes when the map holds MAX_REPLICA_ENTRIES."""
+    if key not in entries:
+        if len(entries) >= MAX_REPLICA_ENTRIES:
+            entries.pop(next(iter(entries)))
+        entries[key] = make()
+    return entries[key]
 
 
 def _point(key: str) -> int:
@@ -179,6 +191,10 @@ class ReplicaPool(Generic[B]):
 
     def node_for(self, session_id: str) -> str:
         return self.ring.node_for(session_id, self.ejection.passed_over)
+
+    def in_use(self) -> set[str]:
+        """The replicas sessions are routed to: all but those passed over for failing."""
+        return {node for node in self.ring.nodes if not self.ejection.passed_over(node)}
 
     async def call(self, node: str, run: Callable[[B], Awaitable[R]]) -> R:
         """run(the node's backend), with its outcome told to the ejection rule."""

@@ -69,8 +69,7 @@ MIN_PROMPT_CHUNK = 16
 
 
 class QueueFull(CapacityExceeded):
-    def __init__(self, message: str, retry_after_ms: int) -> None:
-        super().__init__(message, retry_after_ms)
+    """The worker's queue is full (with the retry hint CapacityExceeded carries)."""
 
 
 @dataclass(frozen=True)
@@ -469,7 +468,7 @@ class BatchScheduler:
                 elif size > take and batch:
                     continue  # no room for it in this forward's prompt budget: first in line next time
                 prefill_left = max(0, prefill_left - size)
-            elif batch and rows + size > (decode_cap if chunking and not prompt else self.limits.max_batch_tokens):
+            elif batch and rows + size > (self.limits.max_batch_tokens if prompt else decode_cap):
                 continue  # a smaller step behind it may still fit; this one is oldest next time
             batch.append((job, step, prompt))
             rows += size

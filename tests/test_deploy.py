@@ -24,6 +24,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ----------------------------------------------------------------------------- consistent hashing
 
+async def stop_orchestrator(handle, backends, workers=(), channel=None) -> None:
+    """Teardown of a test's orchestrator (its server and its worker channels) and its worker servers."""
+    if channel is not None:
+        await channel.close()
+    for backend in backends:
+        await backend.close()
+    await handle.stop(0)
+    for server, servicer in workers:
+        await server.stop(0)
+        servicer.close()
+
+
 def test_ring_spreads_keys_and_moves_few_on_growth() -> None:
     keys = [f"session-{i}" for i in range(4000)]
     ring = HashRing(["a:1", "b:1", "c:1"])
@@ -76,13 +88,7 @@ async def test_sessions_stick_to_replicas_and_moved_sessions_are_re_prefilled() 
             assert (reply.stats.reprefills > 0) == (sid in moved)
         assert set(targets[2][1].core.store._slots) == moved
     finally:
-        await channel.close()
-        for backend in backends:
-            await backend.close()
-        await handle.stop(0)
-        for h, servicer in drafts + targets:
-            await h.stop(0)
-            servicer.close()
+        await stop_orchestrator(handle, backends, drafts + targets, channel)
 
 
 async def test_dns_discovery_resolves_replicas() -> None:
@@ -150,9 +156,7 @@ async def test_prometheus_metrics() -> None:
                      "specdec_worker_fed_tokens_total", "specdec_worker_evictions_total"):
             assert name in worker_body, name
     finally:
-        for backend in backends:
-            await backend.close()
-        await handle.stop(0)
+        await stop_orchestrator(handle, backends)
         await stack.close()
 
 
@@ -238,12 +242,7 @@ async def test_tls_public_api_mtls_workers_and_bearer_auth(tmp_path: Path) -> No
                 await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
-        for backend in backends:
-            await backend.close()
-        await handle.stop(0)
-        for h, servicer in (draft, target):
-            await h.stop(0)
-            servicer.close()
+        await stop_orchestrator(handle, backends, (draft, target))
 
 
 def test_no_pickle_on_the_wire_or_in_weight_loading() -> None:
@@ -278,13 +277,7 @@ async def test_one_dead_draft_replica_does_not_stop_speculation_elsewhere() -> N
                                            speculation={"fixed_k": 3}), timeout=30)
         assert fine.stats.fallback_rounds == 0 and fine.stats.draft_tokens > 0  # the other replica still drafts
     finally:
-        await channel.close()
-        for backend in backends:
-            await backend.close()
-        await handle.stop(0)
-        for h, servicer in drafts + [target]:
-            await h.stop(0)
-            servicer.close()
+        await stop_orchestrator(handle, backends, drafts + [target], channel)
 
 
 def test_a_replica_failing_for_a_second_is_passed_over_for_a_cool_down() -> None:
@@ -339,10 +332,4 @@ async def test_a_dead_replica_of_a_static_list_is_routed_around_from_startup_on(
         assert list(reply.token_ids) == reference_greedy([1, 2], 12)
         assert orch.engine.target.node_for(on_dead) != dead
     finally:
-        await channel.close()
-        for backend in backends:
-            await backend.close()
-        await handle.stop(0)
-        for h, servicer in (draft, live):
-            await h.stop(0)
-            servicer.close()
+        await stop_orchestrator(handle, backends, (draft, live), channel)

@@ -17,7 +17,6 @@ from orchestrator.config import SpeculationOverride
 from orchestrator.api import GenerateParams
 from orchestrator.engine import GenerationEngine
 from orchestrator.rounds import DraftHealth
-from orchestrator.routing import ReplicaEjection
 from specdec.errors import DeadlineExceeded, InvalidRequest, WorkerUnavailable
 from specdec.models import ByteTokenizer
 from specdec.v1 import common_pb2
@@ -286,7 +285,7 @@ class _DraftLeavingMidCall:
     """A routed draft whose only replica leaves discovery during a call (its channel closes)."""
 
     def __init__(self) -> None:
-        self.pool = type("Pool", (), {"ring": _Ring(["old:1"]), "ejection": ReplicaEjection()})()
+        self.pool = type("Pool", (), {"ring": _Ring(["old:1"]), "in_use": lambda pool: set(pool.ring.nodes)})()
 
     def node_for(self, session_id: str) -> str:
         return self.pool.ring.node_for(session_id)
