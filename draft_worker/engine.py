@@ -60,7 +60,7 @@ class DraftEngine:
         stats = result.stats
         with self.core.timed() as timer:
             session, logits = yield from self.core.begin_steps(params.session_id, params.commit, (), stats,
-                                                               params.slot, params.fork_from)
+                                                               params.slot, params.fork_from, grow_by=params.k)
             try:
                 # The commit's forward is catch-up (prefill, or the tokens the target just produced);
                 # timed apart so the orchestrator sees the per-token drafting cost on its own.

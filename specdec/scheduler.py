@@ -249,7 +249,7 @@ class BatchScheduler:
             # Refused only if this call would itself wait beyond the free slots past max_queue (0: no
             # waiting room, yet an idle worker still takes a call). An EndSession takes no slot and
             # frees memory: never refused for load.
-            if not ends_session and self._queued(joining=1) > self.limits.max_queue:
+            if not ends_session and self._queued(joining=session_id) > self.limits.max_queue:
                 self.rejected += 1
                 retry_ms = self._retry_after_ms()
                 raise QueueFull(f"worker busy: {len(self._active)} calls in the batch and {len(self._waiting)} "
@@ -272,10 +272,24 @@ class BatchScheduler:
         with self._cond:
             return len(self._waiting)
 
-    def _queued(self, joining: int = 0) -> int:
-        """Calls that the next forward cannot take: beyond the free slots (lock held), with `joining`
-        more arriving. A call that arrived during a forward and joins the next one is not queued."""
-        return max(0, len(self._waiting) + joining - max(0, self.limits.max_batch - len(self._active)))
+    def _queued(self, joining: str | None = None) -> int:
+        """Calls that the next forward cannot take (lock held), with a call of session `joining`
+        arriving: those beyond the free slots, or behind a call of their own session, as _admit
+        places them. An EndSession takes no slot; a call that arrived during a forward and joins the
+        next one is not queued."""
+        free = self.limits.max_batch - _slots_taken(self._active)
+        busy = {job.session_id for job in self._active}
+        arriving = [] if joining is None else [(joining, False)]
+        queued = 0
+        for session_id, ends_session in [(j.session_id, j.ends_session) for j in self._waiting
+                                         if not j.future.cancelled()] + arriving:
+            if not ends_session:
+                if session_id in busy or free <= 0:
+                    queued += 1
+                else:
+                    free -= 1
+            busy.add(session_id)
+        return queued
 
     def close(self, timeout_s: float = 5.0) -> None:
         with self._cond:

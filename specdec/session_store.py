@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -23,19 +24,32 @@ class _Slot(Generic[T]):
     value: T
     last_used: float
     pinned: int = 0  # > 0 while a call is using it: never evicted then
+    reserved: int = 0  # bytes its calls may grow it to while pinned (counted before they are allocated)
+
+    def held_bytes(self) -> int:
+        """What the slot counts for against the budget: a pinned slot at least what it reserved."""
+        size = self.value.nbytes()
+        return max(size, self.reserved) if self.pinned else size
 
 
 class SessionStore(Generic[T]):
     """LRU store. Evicts idle sessions past `ttl_s`, then least-recently-used ones while over
-    `max_bytes` or `max_sessions`. Sessions in use (pinned) are never evicted."""
+    `max_bytes` or `max_sessions`. Sessions in use (pinned) are never evicted, and count against the
+    budget at the bytes their calls reserved (two calls admitted together each see the other's).
+
+    Changed by one thread (the worker's model thread); the lock lets other threads (GetInfo,
+    metrics) read it: a scan of the LRU order raced with its reordering by every get()."""
 
     def __init__(self, max_bytes: int, ttl_s: float, max_sessions: int = 100_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if not ttl_s > 0:  # also NaN: every session would expire between its checkout and its pin
+            raise ValueError(f"session TTL must be > 0 seconds, got {ttl_s}")
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
         self._clock = clock
         self._slots: OrderedDict[str, _Slot[T]] = OrderedDict()
+        self._lock = threading.RLock()
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -45,68 +59,85 @@ class SessionStore(Generic[T]):
         return session_id in self._slots
 
     def total_bytes(self) -> int:
-        return sum(slot.value.nbytes() for slot in self._slots.values())
+        """Bytes the caches hold now (any thread)."""
+        with self._lock:
+            return sum(slot.value.nbytes() for slot in self._slots.values())
 
     def get(self, session_id: str) -> T | None:
-        self.expire()
-        slot = self._slots.get(session_id)
-        if slot is None:
-            return None
-        slot.last_used = self._clock()
-        self._slots.move_to_end(session_id)
-        return slot.value
+        with self._lock:
+            self.expire()
+            slot = self._slots.get(session_id)
+            if slot is None:
+                return None
+            slot.last_used = self._clock()
+            self._slots.move_to_end(session_id)
+            return slot.value
 
     def put(self, session_id: str, value: T) -> None:
-        self._slots[session_id] = _Slot(value, self._clock())
-        self._slots.move_to_end(session_id)
+        with self._lock:
+            self._slots[session_id] = _Slot(value, self._clock())
+            self._slots.move_to_end(session_id)
 
     def pop(self, session_id: str) -> T | None:
-        slot = self._slots.pop(session_id, None)
-        return slot.value if slot else None
+        with self._lock:
+            slot = self._slots.pop(session_id, None)
+            return slot.value if slot else None
 
-    def pin(self, session_id: str) -> None:
-        self._slots[session_id].pinned += 1
+    def pin(self, session_id: str, reserve_bytes: int = 0) -> None:
+        """A call uses the session until unpin(); it may grow to reserve_bytes meanwhile."""
+        with self._lock:
+            slot = self._slots[session_id]
+            slot.pinned += 1
+            slot.reserved = max(slot.reserved, reserve_bytes)
 
     def unpin(self, session_id: str) -> None:
-        slot = self._slots.get(session_id)
-        if slot is not None:
-            slot.pinned = max(0, slot.pinned - 1)
-            slot.last_used = self._clock()
+        with self._lock:
+            slot = self._slots.get(session_id)
+            if slot is not None:
+                slot.pinned = max(0, slot.pinned - 1)
+                if not slot.pinned:
+                    slot.reserved = 0
+                slot.last_used = self._clock()
 
     def expire(self) -> list[str]:
-        now = self._clock()
-        expired = [sid for sid, slot in self._slots.items()
-                   if not slot.pinned and now - slot.last_used > self.ttl_s]
-        for sid in expired:
-            del self._slots[sid]
-            log.debug("session %s expired (idle > %.0fs)", sid, self.ttl_s)
-        self.evictions += len(expired)
-        return expired
+        with self._lock:
+            now = self._clock()
+            expired = [sid for sid, slot in self._slots.items()
+                       if not slot.pinned and now - slot.last_used > self.ttl_s]
+            for sid in expired:
+                del self._slots[sid]
+                log.debug("session %s expired (idle > %.0fs)", sid, self.ttl_s)
+            self.evictions += len(expired)
+            return expired
 
     def enforce_budget(self, extra_bytes: int = 0, first: Callable[[str], bool] | None = None) -> list[str]:
-        """Evict LRU unpinned sessions until total + extra fits max_bytes and count fits; the keys
-        `first` marks (copies that are cheap to lose) go before the others, each group in LRU order."""
-        evicted: list[str] = []
-        total = self.total_bytes() + extra_bytes
-        order = list(self._slots)
-        if first is not None:
-            order = [k for k in order if first(k)] + [k for k in order if not first(k)]
-        for sid in order:
-            if total <= self.max_bytes and len(self._slots) <= self.max_sessions:
-                break
-            slot = self._slots[sid]
-            if slot.pinned:
-                continue
-            total -= slot.value.nbytes()
-            del self._slots[sid]
-            evicted.append(sid)
-        if evicted:
-            log.info("evicted %d session(s) to stay within %d bytes / %d sessions",
-                     len(evicted), self.max_bytes, self.max_sessions)
-        self.evictions += len(evicted)
-        return evicted
+        """Evict LRU unpinned sessions until what they hold (pinned ones at their reservations) plus
+        extra fits max_bytes and the count fits; the keys `first` marks (copies that are cheap to
+        lose) go before the others, each group in LRU order."""
+        with self._lock:
+            evicted: list[str] = []
+            total = sum(slot.held_bytes() for slot in self._slots.values()) + extra_bytes
+            order = list(self._slots)
+            if first is not None:
+                order = [k for k in order if first(k)] + [k for k in order if not first(k)]
+            for sid in order:
+                if total <= self.max_bytes and len(self._slots) <= self.max_sessions:
+                    break
+                slot = self._slots[sid]
+                if slot.pinned:
+                    continue
+                total -= slot.value.nbytes()
+                del self._slots[sid]
+                evicted.append(sid)
+            if evicted:
+                log.info("evicted %d session(s) to stay within %d bytes / %d sessions",
+                         len(evicted), self.max_bytes, self.max_sessions)
+            self.evictions += len(evicted)
+            return evicted
 
     def fits(self, extra_bytes: int, exclude: str | None = None) -> bool:
-        """Would extra_bytes fit next to the sessions that cannot be evicted (other than `exclude`)?"""
-        pinned = sum(s.value.nbytes() for sid, s in self._slots.items() if s.pinned and sid != exclude)
-        return pinned + extra_bytes <= self.max_bytes
+        """Would extra_bytes fit next to the sessions that cannot be evicted (other than `exclude`),
+        each at what its calls reserved?"""
+        with self._lock:
+            pinned = sum(s.held_bytes() for sid, s in self._slots.items() if s.pinned and sid != exclude)
+            return pinned + extra_bytes <= self.max_bytes

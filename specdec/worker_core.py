@@ -18,7 +18,7 @@ import torch
 
 from specdec.contract import (EMPTY_CONTEXT_KEY, MAX_BRANCH_SLOTS, CallStats, CallTimer, Commit, CostCurve,
                               extend_context_key, is_branch_key, prefix_hash, slot_key, validate_session_id)
-from specdec.errors import CacheMismatch, CapacityExceeded, InvalidRequest, SessionNotFound
+from specdec.errors import CacheMismatch, CapacityExceeded, InvalidRequest, SessionNotFound, SpecdecError
 from specdec.models import LoadedModel, cache_nbytes, copy_cache, crop_cache, estimate_kv_bytes_per_token, new_cache
 from specdec.session_store import SessionStore
 
@@ -165,6 +165,7 @@ class WorkerCore:
         except CapacityExceeded:
             self.store.pop(key)
             raise
+        self.store.unpin(key)  # the call's own reservation follows (begin_steps)
 
     # ------------------------------------------------------------------ compute
     @torch.inference_mode()
@@ -238,7 +239,7 @@ class WorkerCore:
             del session.prefix_keys[length:]
 
     def begin_steps(self, session_id: str, commit: Commit, extra_tokens: Sequence[int], stats: CallStats,
-                    slot: int = 0, fork_from: int | None = None,
+                    slot: int = 0, fork_from: int | None = None, grow_by: int = 0,
                     ) -> Generator[ForwardStep, torch.Tensor, tuple[WorkerSession, torch.Tensor]]:
         """Apply a commit, then feed `extra_tokens` after it in the same forward step.
 
@@ -249,7 +250,8 @@ class WorkerCore:
         The call runs on `slot` of the session (0: its own cache; a branch slot otherwise), which
         fork_from, if given, first makes a copy of that slot's committed prefix (fork). The slot
         stays pinned (never evicted) until the caller calls release(session_id, slot), since other
-        calls' steps run between this call's steps.
+        calls' steps run between this call's steps, with room in the byte budget reserved for
+        grow_by more tokens (fed by the caller's later steps: the draft's drafts).
         """
         validate_session_id(session_id)
         if not 0 <= slot <= MAX_BRANCH_SLOTS or not (fork_from is None or 0 <= fork_from <= MAX_BRANCH_SLOTS):
@@ -264,16 +266,20 @@ class WorkerCore:
         session = self._checkout(session_id, commit)
         feed_tokens = list(commit.append_tokens)
         keep = commit.cache_len
-        if not feed_tokens:
-            if keep == 0:
-                raise InvalidRequest("nothing to condition on: commit has cache_len=0 and no append_tokens")
-            keep -= 1
-            feed_tokens = [session.tokens[keep]]
-        total = keep + len(feed_tokens) + len(extra_tokens)
-        if total > self.max_context:
-            raise InvalidRequest(f"sequence of {total} tokens exceeds the model context of {self.max_context}")
-        self._reserve(session_id, total)
-        self.store.pin(session_id)
+        try:
+            if not feed_tokens:
+                if keep == 0:
+                    raise InvalidRequest("nothing to condition on: commit has cache_len=0 and no append_tokens")
+                keep -= 1
+                feed_tokens = [session.tokens[keep]]
+            total = keep + len(feed_tokens) + len(extra_tokens)
+            if total > self.max_context:
+                raise InvalidRequest(f"sequence of {total} tokens exceeds the model context of {self.max_context}")
+            self._reserve(session_id, min(total + grow_by, self.max_context))
+        except SpecdecError:
+            if not session.tokens:  # created for this call (or holding nothing): not kept for a refusal
+                self.store.pop(session_id)
+            raise
         try:
             stats.prefilled_tokens = len(commit.append_tokens)
             self.counters.prefilled_tokens += stats.prefilled_tokens
@@ -295,21 +301,17 @@ class WorkerCore:
         return drive(steps, lambda step: self.feed_many([step])[0])
 
     def _reserve(self, session_id: str, total_tokens: int) -> None:
-        """Make room in the byte budget for this session growing to total_tokens (evicting LRU others)."""
-        if not self._bytes_per_token:
-            return
-        current = self.store.get(session_id)
-        current_bytes = current.nbytes() if current else 0
-        needed = total_tokens * self._bytes_per_token - current_bytes
-        self.store.pin(session_id)
-        try:
-            self.store.enforce_budget(extra_bytes=max(0, needed), first=is_branch_key)  # branches first
-            if not self.store.fits(total_tokens * self._bytes_per_token, exclude=session_id):
-                raise CapacityExceeded(
-                    f"{self.role} worker KV budget of {self.store.max_bytes} bytes cannot hold "
-                    f"{total_tokens} tokens for session {session_id!r} next to the sessions in use")
-        finally:
-            self.store.unpin(session_id)
+        """Pin the session (release() unpins) with room in the byte budget for it to grow to
+        total_tokens, evicting LRU idle others. Refused (CapacityExceeded) before evicting anything
+        where the sessions in use leave no such room: evictions would not make it fit."""
+        needed = total_tokens * self._bytes_per_token
+        if needed and not self.store.fits(needed, exclude=session_id):
+            raise CapacityExceeded(
+                f"{self.role} worker KV budget of {self.store.max_bytes} bytes cannot hold "
+                f"{total_tokens} tokens for session {session_id!r} next to the sessions in use")
+        self.store.pin(session_id, reserve_bytes=needed)
+        if needed:
+            self.store.enforce_budget(first=is_branch_key)  # branches first
 
     def timed(self) -> CallTimer:
         self.counters.calls += 1

@@ -282,6 +282,61 @@ def test_a_call_cancelled_before_its_forward_leaves_the_cache_as_it_was() -> Non
     assert core.store.get("s").cache.get_seq_length() == len(held)
 
 
+def _budget_core(role: str, tokens: int) -> WorkerCore:
+    """A worker core whose KV byte budget holds `tokens` tokens."""
+    from specdec.worker_core import StoreLimits
+    loaded = load_model("tiny:seed=0")
+    per_token = WorkerCore(loaded, role)._bytes_per_token
+    return WorkerCore(loaded, role, StoreLimits(max_bytes=tokens * per_token, ttl_s=600.0))
+
+
+def test_calls_admitted_together_cannot_overcommit_the_kv_budget() -> None:
+    """Two 80-token prompts admitted in one scheduler pass, budget 100 tokens: each call's checks
+    run before either forward, so the second must see the first's reservation (both ran, holding
+    1.6x the budget)."""
+    from specdec.contract import Commit, SamplingConfig
+    from specdec.errors import CapacityExceeded
+    from target_worker.engine import TargetEngine, VerifyParams
+    core = _budget_core("target", 100)
+    engine = TargetEngine(core)
+    prompt = tuple(range(3, 83))
+    first = engine.verify_steps(VerifyParams("a", Commit(0, 0, prompt), (), (), SamplingConfig()))
+    assert len(next(first).tokens) == 80  # admitted: checked and pinned, its forward not yet run
+    with pytest.raises(CapacityExceeded, match="budget"):
+        next(engine.verify_steps(VerifyParams("b", Commit(0, 0, prompt), (), (), SamplingConfig())))
+    first.close()
+    assert "b" not in core.store  # the refused call leaves no empty session behind
+
+
+def test_a_call_that_cannot_fit_evicts_nobody() -> None:
+    """A prompt over the whole budget is refused before any idle session is evicted for it (a client
+    retrying it wiped every other session's cache)."""
+    from specdec.contract import Commit, SamplingConfig
+    from specdec.errors import CapacityExceeded
+    from target_worker.engine import TargetEngine, VerifyParams
+    core = _budget_core("target", 100)
+    engine = TargetEngine(core)
+    for i in range(5):
+        engine.verify(VerifyParams(f"idle{i}", Commit(0, 0, tuple(range(3, 18))), (), (), SamplingConfig()))
+    with pytest.raises(CapacityExceeded):
+        engine.verify(VerifyParams("huge", Commit(0, 0, (7,) * 150), (), (), SamplingConfig()))
+    assert sorted(core.store._slots) == [f"idle{i}" for i in range(5)] and core.store.evictions == 0
+
+
+def test_the_draft_reserves_room_for_the_tokens_it_drafts() -> None:
+    """A Propose feeds its k drafts after the commit's forward: they count against the budget from
+    the start, so a session that leaves no room for them evicts an idle one first."""
+    from draft_worker.engine import DraftEngine, ProposeParams
+    from specdec.contract import Commit, SamplingConfig
+    core = _budget_core("draft", 40)
+    engine = DraftEngine(core)
+    engine.propose(ProposeParams("idle", Commit(0, 0, tuple(range(3, 13))), 0, SamplingConfig()))
+    steps = engine.propose_steps(ProposeParams("a", Commit(0, 0, tuple(range(3, 28))), 8, SamplingConfig()))
+    next(steps)  # admitted: 25 committed + 8 drafts reserved, 10 idle would make 43 > 40
+    assert "idle" not in core.store
+    steps.close()
+
+
 # ----------------------------------------------------------------------------- limits
 
 async def test_a_full_worker_queue_answers_resource_exhausted_with_a_retry_hint() -> None:

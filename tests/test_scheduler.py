@@ -185,6 +185,25 @@ def test_max_queue_zero_means_no_waiting_room_not_no_calls(forward) -> None:
         scheduler.close()
 
 
+def test_the_queue_counts_only_calls_the_next_forward_cannot_take(forward) -> None:
+    """An EndSession takes no slot: one waiting behind its session's call did count as queued, so a
+    call that would join the next forward was refused RESOURCE_EXHAUSTED with a slot free (and the
+    load the k policy sees said 0 waiting). A call behind its own session's call does wait."""
+    scheduler = make_scheduler(forward, max_batch=2, max_queue=0)
+    try:
+        running, _ = submit_held(scheduler, forward, "a", call("a", steps=3))
+        ended, _ = scheduler.submit("a", call("a", steps=0), ends_session=True)  # waits behind a's call
+        assert scheduler.snapshot().waiting == 0
+        joining, _ = scheduler.submit("c", call("c"))  # the free slot: not refused
+        with pytest.raises(QueueFull):
+            scheduler.submit("c", call("c"))  # behind c's own call: it would wait, and max_queue is 0
+        forward.gate.set()
+        assert running.result(WAIT_S) == [1, 1, 1] and joining.result(WAIT_S) == [1] and ended.result(WAIT_S) == []
+        assert scheduler.rejected == 1
+    finally:
+        scheduler.close()
+
+
 def test_a_steps_own_failure_fails_only_its_call(forward) -> None:
     """A forward that runs its steps one at a time hands back a step's exception as its output."""
     def forward_failing_for_b(steps):
@@ -948,3 +967,16 @@ def test_shared_compute_flag_and_the_local_services_default() -> None:
                                                                                           "--max-batch", "4"]
     assert worker_flags(0, ["--shared-compute"], {}, False) == []  # the caller's override wins
     assert worker_flags(0, [], {"target": "0", "draft": "1"}, True) == ["--shared-compute"]
+
+
+def test_session_store_flags_are_checked_before_the_model_loads() -> None:
+    """--session-ttl-s 0 made every call fail (the new session expired before its pin: INTERNAL)."""
+    import argparse
+
+    from specdec.worker_server import add_worker_args, store_limits
+    parser = argparse.ArgumentParser()
+    add_worker_args(parser, "tiny:seed=0")
+    assert store_limits(parser.parse_args([])).ttl_s == 600.0
+    for flags in (["--session-ttl-s", "0"], ["--cache-budget-mb", "-1"], ["--max-sessions", "0"]):
+        with pytest.raises(SystemExit, match="must be"):
+            store_limits(parser.parse_args(flags))

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+
+import pytest
 
 from specdec.session_store import SessionStore
 
@@ -59,3 +62,52 @@ def test_max_sessions() -> None:
     for name in "abc":
         store.put(name, Blob(1))
     assert store.enforce_budget() == ["a"] and len(store) == 2
+
+
+def test_pinned_sessions_count_at_what_their_calls_reserved() -> None:
+    """Two calls admitted in one scheduler pass: each must see the other's reservation, not the
+    other's still empty cache (both passed the check and held 1.6x the budget together)."""
+    store: SessionStore[Blob] = SessionStore(max_bytes=100, ttl_s=60)
+    store.put("a", Blob(0))
+    store.pin("a", reserve_bytes=80)
+    assert not store.fits(80, exclude="b")  # a's 80 reserved + b's 80 > 100
+    store.put("idle", Blob(30))
+    assert store.enforce_budget() == ["idle"]  # 80 reserved + 30 > 100
+    store.unpin("a")  # the call ended: a counts at its size again, and can be evicted
+    assert store.fits(80, exclude="b") and store.enforce_budget(extra_bytes=80) == []
+
+
+def test_a_ttl_of_zero_is_refused() -> None:
+    """A session would expire between its checkout and its pin (KeyError on every call)."""
+    for ttl in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="TTL"):
+            SessionStore(max_bytes=100, ttl_s=ttl)
+
+
+def test_other_threads_read_the_byte_total_while_the_model_thread_reorders() -> None:
+    """GetInfo and /metrics sum the caches on other threads while every get() reorders the LRU
+    list: at 10,000 sessions every such scan raised 'OrderedDict mutated during iteration'."""
+    store: SessionStore[Blob] = SessionStore(max_bytes=10**12, ttl_s=600, max_sessions=20_000)
+    for i in range(10_000):
+        store.put(f"s{i}", Blob(1))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def model_thread() -> None:
+        i = 0
+        while not stop.is_set():
+            store.get(f"s{i % 10_000}")
+            i += 7
+
+    thread = threading.Thread(target=model_thread)
+    thread.start()
+    try:
+        for _ in range(30):
+            try:
+                assert store.total_bytes() == 10_000
+            except RuntimeError as exc:
+                errors.append(exc)
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == []
