@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -16,10 +17,18 @@ from specdec.errors import CapacityExceeded
 
 class Admission:
     def __init__(self, max_concurrent: int, max_queue: int, rate_per_s: float = 0.0) -> None:
+        if max_concurrent < 1 or max_queue < 0 or not (math.isfinite(rate_per_s) and rate_per_s >= 0):
+            raise ValueError(f"admission needs max_concurrent >= 1, max_queue >= 0 and a finite rate >= 0 "
+                             f"(0: off), got {max_concurrent}, {max_queue} and {rate_per_s}")
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self._semaphore = asyncio.Semaphore(max_concurrent)
-        self._throttler = Throttler(rate_limit=int(rate_per_s), period=1.0) if rate_per_s > 0 else None
+        self._throttler = None
+        if rate_per_s > 0:
+            # ceil(rate) starts per ceil(rate) / rate seconds: the rate exactly, fractional ones too
+            # (int(0.5) = 0 starts blocked every request for good), with bursts of up to ceil(rate).
+            burst = math.ceil(rate_per_s)
+            self._throttler = Throttler(rate_limit=burst, period=burst / rate_per_s)
         self.running = 0
         self.waiting = 0
         self.rejected = 0
@@ -32,7 +41,10 @@ class Admission:
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
-        if self.running >= self.max_concurrent and self.waiting >= self.max_queue:
+        # Refused where it would wait behind a full queue: requests held back by the rate limit wait
+        # as well as those beyond max_concurrent (with a rate limit the running count may never
+        # reach the limit, and the queue grew without bound).
+        if self.waiting >= self.max_queue and (self.running >= self.max_concurrent or self.waiting > 0):
             self.rejected += 1
             raise CapacityExceeded(f"server busy: {self.running} requests running and {self.waiting} queued "
                                    f"(limits {self.max_concurrent} + {self.max_queue}); retry with backoff",

@@ -160,6 +160,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True,
                         help="target replicas: host:port[,host:port...] or dns:///headless-service:port")
     parser.add_argument("--discovery-refresh-s", type=float, default=5.0, help="DNS re-resolution period")
+    parser.add_argument("--connect-timeout-s", type=float, default=120.0,
+                        help="at startup, wait this long for both workers to answer (they may still be loading "
+                             "and calibrating their models) before exiting; the public port opens after")
     parser.add_argument("--tls-cert", help="PEM certificate for the public API (TLS)")
     parser.add_argument("--tls-key", help="PEM private key for the public API")
     parser.add_argument("--auth-token-file", help="bearer tokens, one per line; callers without one get UNAUTHENTICATED")
@@ -209,7 +212,8 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
                               worker_ca=args.worker_ca, worker_client_cert=args.worker_client_cert,
                               worker_client_key=args.worker_client_key, worker_server_name=args.worker_server_name,
                               metrics_port=args.metrics_port, discovery_refresh_s=args.discovery_refresh_s,
-                              emulated_one_way_ms=args.emulate_one_way_latency_ms)
+                              emulated_one_way_ms=args.emulate_one_way_latency_ms,
+                              connect_timeout_s=args.connect_timeout_s)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -32,6 +32,8 @@ from specdec.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
+ENDING_WAIT_S = 2.0  # how long a session's next request waits for its last turn to finish cleaning up
+
 
 class GenerationEngine:
     def __init__(self, draft: DraftBackend, target: TargetBackend, tokenizer: Tokenizer,
@@ -128,6 +130,8 @@ class GenerationEngine:
             # round re-create worker caches for a session that no longer exists.
             async with session.lock:
                 self.sessions.remove(session_id)
+        else:
+            self.sessions.remove(session_id)  # an evicted session's id may start afresh now
         return await self._end_on_backends(session_id, logging.WARNING) or session is not None
 
     @staticmethod
@@ -181,9 +185,12 @@ class GenerationEngine:
         ephemeral = params.session_id is None
         session_id = params.session_id or f"tmp-{uuid.uuid4().hex}"
         session = self.sessions.get_or_create(session_id, ephemeral, lambda: self.prior_for(session_id).new_session())
-        if session.lock.locked():
-            raise SessionBusy(f"session {session_id!r} is busy with another request; retry when it finishes")
-        async with session.lock:
+        try:
+            await session.begin_turn(deadline.cap(ENDING_WAIT_S))
+        except SessionBusy:
+            deadline.remaining()  # DeadlineExceeded where the caller's deadline ran out first
+            raise
+        try:
             if self.sessions.get(session_id) is not session:
                 # An EndSession queued on the lock ended it while this request waited.
                 raise SessionNotFound(f"session {session_id!r} was ended; start a new one")
@@ -204,6 +211,8 @@ class GenerationEngine:
                 if ephemeral:
                     self.sessions.remove(session_id)
                     self._end_on_workers(session)
+        finally:
+            session.lock.release()
 
     async def _run_turn(self, session: OrchestratorSession, params: GenerateParams, spec: SpeculationConfig,
                         deadline: Deadline) -> AsyncIterator[GenerationEvent]:
@@ -235,7 +244,13 @@ class GenerationEngine:
             while True:
                 ticket = guard.decide() if guard is not None else None
                 forced_off = ticket is not None and ticket.mode == TARGET_ONLY
-                k = 0 if forced_off else policy.next_k(session.stats, spec.min_k, spec.max_k, round_.target_prefill_rows())
+                try:
+                    k = 0 if forced_off else policy.next_k(session.stats, spec.min_k, spec.max_k,
+                                                           round_.target_prefill_rows())
+                except BaseException:
+                    if ticket is not None:  # a ticket never handed back counts as in flight for good
+                        guard.abandon(ticket)
+                    raise
                 log.debug("session %s: k=%d %s", session.session_id, k, session.stats.described(spec.max_k))
                 # A round yields up to k+1 tokens: never draft past the budget, nor past the draft's context.
                 k = min(k, stop.remaining - 1, self.draft_max_context - len(session.tokens))
@@ -249,6 +264,7 @@ class GenerationEngine:
                 if record.text_delta or record.emitted:
                     yield GenerationEvent(record.text_delta, list(record.emitted), session_id=label)
         finally:
+            session.ending = True  # the turn is over (ended, failed or cancelled): only cleaning up now
             await round_.settle()  # no pre-draft outlives its turn
         stats.total_ms = (time.perf_counter() - started) * 1000.0
         # Rounds not forced off by the guard: the policy chose their k.

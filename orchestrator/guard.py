@@ -35,7 +35,9 @@ decisions: an epoch that straddles a fall can still be decided on mixed rates. S
 guard does not steer (fixed k, heuristic, min_k > 0) are not counted in the load.
 
 What a round counts for: only steady rounds (a prompt's prefill would swamp the per-token rates),
-decided in the current epoch after every round of earlier epochs had ended. A steady round whose
+decided in the current epoch after every round of earlier epochs had ended, bar long ones (still
+running after LONG_ROUND_DECISIONS decisions per round in flight in this epoch: a first round over
+a long prompt would otherwise run the new epoch's mode uncounted for all its length). A steady round whose
 target forward also ran other sessions' prompt rows counts with that forward's time scaled to its
 decode rows alone, on the target's rows curve (`without_prompt_rows`): prompts arrive as they do in
 either mode, and in a closed loop they arrive in waves, so a short probe that caught one measured
@@ -92,6 +94,7 @@ LOAD_WINDOW = 32         # decisions over which the pair's concurrency is taken 
 MIN_LOAD_CHANGE = 2      # ... and by at least this many rounds in flight
 TURN_MEMORY = 0.9        # per new turn, the weight left to older turns in the per-turn figures
 MIN_FIRST_ROUNDS = 2.5   # decayed count of first rounds (about 3) before turns are priced with them
+LONG_ROUND_DECISIONS = 3  # per round in flight: decisions of an epoch after which its predecessors' rounds are long ones
 
 
 def same_load(a: int, b: int) -> bool:
@@ -176,7 +179,8 @@ class GuardTicket:
     """What the guard decided for one round; handed back with the round's outcome (or abandoned)."""
     epoch: int
     mode: str
-    clean: bool  # no round of an earlier epoch was still running when this one was decided
+    clean: bool  # no round of an earlier epoch was still running when this one was decided (bar long ones)
+    load_era: int = 0  # which load the guard was measuring at (counts the load restarts)
 
 
 class PairGuard:
@@ -204,6 +208,8 @@ class PairGuard:
         self._recent_in_flight: deque[int] = deque(maxlen=LOAD_WINDOW)  # rounds in flight at each decision
         self._epoch_load = 0      # the pair's concurrency when the current epoch began (0: not yet known)
         self.load_restarts = 0
+        self._load_era = 0        # +1 at every move of the load: tickets of another era price no first rounds here
+        self._epoch_decisions = 0  # rounds decided in the current epoch
         self.first_rounds = FirstRounds()  # turns begun speculating at the current load
         # The last decision at each load it was measured at (rounds in flight); taken back at most once.
         self._decided_at: dict[int, Decision] = {}
@@ -230,6 +236,7 @@ class PairGuard:
         if not self._epoch_load:
             self._epoch_load = self.load  # the pair's first round
         elif self._load_shifted():
+            self._load_era += 1
             if self._counted == 0 and all(rate is None for rate in self.rates.values()):
                 # Already measuring afresh, nothing counted yet: a ramp. It may reach a load decided
                 # before, or one above a load where speculation lost.
@@ -237,12 +244,20 @@ class PairGuard:
                 self._epoch_load = self.load
                 if self._take_back_decision() or (rise and self._assume_loss_from_below()):
                     self._begin_epoch(self.winner)
+                else:
+                    self.first_rounds = FirstRounds()  # those of the ramp's lower load
             else:
                 self._restart_for_load()
-        clean = all(epoch == self.epoch for epoch in self._outstanding)
+        self._epoch_decisions += 1
+        # A round of an earlier epoch still running after every round in flight was decided about
+        # LONG_ROUND_DECISIONS times in this one is a long one (a first round over a long prompt):
+        # waiting for it would run this epoch's mode, uncounted, for all its length (a 20 s prompt
+        # round kept a losing probe on for 20 s). Rounds beside it count.
+        long_ones_only = self._epoch_decisions > LONG_ROUND_DECISIONS * max(1, self._in_flight_peak)
+        clean = long_ones_only or all(epoch == self.epoch for epoch in self._outstanding)
         self._outstanding[self.epoch] = self._outstanding.get(self.epoch, 0) + 1
         self._in_flight_peak = max(self._in_flight_peak, self.in_flight)
-        return GuardTicket(self.epoch, self.mode, clean)
+        return GuardTicket(self.epoch, self.mode, clean, self._load_era)
 
     @property
     def load(self) -> int:
@@ -388,7 +403,7 @@ class PairGuard:
         not a turn's)."""
         self.abandon(ticket)
         if (first and ticket.mode == SPECULATE and ticket.clean and not catching_up
-                and round_ms > 0 and target_ms > 0):
+                and ticket.load_era == self._load_era and round_ms > 0 and target_ms > 0):
             self.first_rounds.add(round_ms, target_ms, tokens)
         if turn_tokens is not None and turn_tokens > 0:
             self._turns = self._turns * TURN_MEMORY + 1.0
@@ -483,6 +498,7 @@ class PairGuard:
             self._needed_ms = max(0.0, self._needed_ms - self._held_at.get(self._holding, 0.0))
         self._in_flight_peak = self.in_flight
         self._epoch_load = self.load
+        self._epoch_decisions = 0
         self._counted, self._drafting, self._tokens, self._ms = 0, 0, 0.0, 0.0
 
     def _decide(self) -> None:

@@ -60,7 +60,7 @@ def stats_to_pb(s: GenerationStats) -> orchestrator_pb2.GenerationStats:
     return orchestrator_pb2.GenerationStats(
         rounds=s.rounds, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
         acceptance_rate=s.acceptance_rate, accepted_per_position=s.accepted_per_position,
-        k_per_round=s.k_per_round, draft_ms=s.draft_ms, verify_ms=s.verify_ms, overhead_ms=s.overhead_ms,
+        k_per_round=s.k_per_round, accepted_per_round=s.accepted_per_round, draft_ms=s.draft_ms, verify_ms=s.verify_ms, overhead_ms=s.overhead_ms,
         total_ms=s.total_ms, tokens_per_second=s.tokens_per_second, new_tokens=s.new_tokens,
         reprefills=s.reprefills, bytes_to_draft=s.bytes_to_draft, bytes_to_target=s.bytes_to_target,
         seed=s.seed, fallback_rounds=s.fallback_rounds, guard_off_rounds=s.guard_off_rounds,
@@ -98,7 +98,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             code = exc.code_name
             raise
         except asyncio.CancelledError:
-            code = "CANCELLED"
+            # gRPC cancels the handler for a deadline that ran out too: the caller saw DEADLINE_EXCEEDED.
+            remaining = context.time_remaining()
+            code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
             raise
         except Exception:
             code = "INTERNAL"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.kpolicy import SessionStats
 from specdec.contract import Commit, common_prefix_len, prefix_hash
-from specdec.errors import CapacityExceeded, SessionInputConflict, SessionNotFound
+from specdec.errors import CapacityExceeded, SessionBusy, SessionInputConflict, SessionNotFound
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,24 @@ class OrchestratorSession:
     target_view: WorkerView = field(default_factory=WorkerView)
     stats: SessionStats = field(default_factory=SessionStats)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The turn holding the lock has ended or been cancelled and is only cleaning up (settling its
+    # pre-drafts): the session's next request waits for it rather than being refused as busy.
+    ending: bool = False
     last_used: float = field(default_factory=time.monotonic)
+
+    async def begin_turn(self, wait_s: float) -> None:
+        """Take the session for a turn (release: lock.release()). Refused as busy while another turn
+        runs on it; one that has ended and is only cleaning up (a client that cancelled a stream
+        and asked again at once) is waited for, up to wait_s."""
+        busy = SessionBusy(f"session {self.session_id!r} is busy with another request; retry when it finishes")
+        if self.lock.locked() and not self.ending:
+            raise busy
+        try:
+            async with asyncio.timeout(wait_s):
+                await self.lock.acquire()
+        except TimeoutError:
+            raise busy from None
+        self.ending = False
 
     @property
     def draft_view(self) -> WorkerView:
@@ -125,6 +142,8 @@ class OrchestratorSessions:
         session.last_used = self._clock()
 
     def remove(self, session_id: str) -> OrchestratorSession | None:
+        """The session ends (its id starts a new one next time, also after an eviction)."""
+        self._gone.pop(session_id, None)
         return self._sessions.pop(session_id, None)
 
     def _expire(self) -> None:

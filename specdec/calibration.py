@@ -8,6 +8,7 @@ the budget leaves out is interpolated by the orchestrator.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -93,6 +94,8 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float) -> None:
     max_k + 1. Contexts: a short and a longer prompt, the second only as far as the budget allows.
     """
     from specdec import linear_path
+    if not math.isfinite(budget_s):  # NaN passed the skip check, then no `elapsed > budget` ever held
+        raise ValueError(f"calibration budget must be a finite number of seconds (0 skips), got {budget_s}")
     if budget_s <= 0:
         return
     max_tokens = 2 if core.role == "draft" else max_k + 1

@@ -107,7 +107,8 @@ class SamplingConfig:
 
     @classmethod
     def from_pb(cls, msg: common_pb2.SamplingParams) -> "SamplingConfig":
-        return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p if msg.top_p > 0 else 1.0,
+        # proto3's 0 is "unset" (no top-p); anything else, NaN and negatives too, is what was asked for.
+        return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p if msg.top_p != 0 else 1.0,
                    seed=msg.seed)
 
 
@@ -192,7 +193,10 @@ class CostCurve:
         curve, least = [], math.inf
         for tokens, ms in sorted(((t, ms) for t, c, ms in self.points if c == context), reverse=True):
             least = min(least, ms)
-            curve.append((tokens, least))
+            if curve and curve[-1][0] == tokens:  # one point per token count (a GetInfo may repeat one)
+                curve[-1] = (tokens, least)
+            else:
+                curve.append((tokens, least))
         return tuple(reversed(curve))
 
     def to_pb(self) -> list[common_pb2.ForwardCost]:

@@ -27,4 +27,5 @@ def extended(curve: Curve, x: float) -> float | None:
     if within is not None:
         return within
     (x0, y0), (x1, y1) = curve[-2], curve[-1]
-    return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)
+    slope = (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0
+    return y1 + max(0.0, slope) * (x - x1)

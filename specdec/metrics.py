@@ -20,7 +20,8 @@ class WorkerCollector:
     def collect(self) -> Any:
         core, role = self.core, self.core.role
         labels = ["role"]
-        gauges = [("specdec_worker_sessions", "Sessions holding a KV cache", len(core.store)),
+        gauges = [("specdec_worker_sessions", "Sessions holding a KV cache (branch slots not counted)",
+                   core.session_count()),
                   ("specdec_worker_cache_bytes", "Bytes held by KV caches", core.store.total_bytes()),
                   ("specdec_worker_cache_budget_bytes", "KV cache byte budget", core.store.max_bytes)]
         if self.scheduler is not None:

@@ -39,12 +39,15 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._tokens = [t.encode() for t in tokens]
 
     def _authorized(self, metadata: Any) -> bool:
+        """Any authorization value `Bearer <token>` with a known token (the scheme is case-insensitive,
+        RFC 7235)."""
         for key, value in metadata or ():
             if key == "authorization":
                 value = value.decode() if isinstance(value, bytes) else value
-                if value.startswith("Bearer "):
-                    presented = value[len("Bearer "):].strip().encode()
-                    return any(hmac.compare_digest(presented, t) for t in self._tokens)
+                scheme, _, presented = value.partition(" ")
+                if scheme.lower() == "bearer" and any(hmac.compare_digest(presented.strip().encode(), t)
+                                                      for t in self._tokens):
+                    return True
         return False
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[grpc.RpcMethodHandler]],

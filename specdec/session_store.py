@@ -58,6 +58,11 @@ class SessionStore(Generic[T]):
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._slots
 
+    def count(self, which: Callable[[str], bool]) -> int:
+        """Sessions whose keys `which` selects (any thread)."""
+        with self._lock:
+            return sum(1 for key in self._slots if which(key))
+
     def total_bytes(self) -> int:
         """Bytes the caches hold now (any thread)."""
         with self._lock:

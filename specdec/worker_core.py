@@ -128,6 +128,10 @@ class WorkerCore:
     def end_session(self, session_id: str) -> bool:  # with its branch slots
         return any([self.store.pop(slot_key(session_id, slot)) is not None for slot in range(MAX_BRANCH_SLOTS + 1)])
 
+    def session_count(self) -> int:
+        """Sessions held, not counting the branch slots of pipelined pre-drafts (any thread)."""
+        return self.store.count(lambda key: not is_branch_key(key))
+
     def session_tokens(self, session_id: str) -> list[int] | None:
         session = self.store.get(session_id)
         return list(session.tokens) if session else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Generator
 from typing import Any, TypeVar
 
@@ -74,7 +75,7 @@ class WorkerServicerBase:
         return common_pb2.WorkerInfo(
             role=self.core.role, model_ref=loaded.ref, vocab_size=loaded.vocab_size,
             max_context=loaded.max_context, eos_token_ids=loaded.eos_token_ids,
-            tokenizer_fingerprint=loaded.tokenizer.fingerprint(), sessions=len(self.core.store),
+            tokenizer_fingerprint=loaded.tokenizer.fingerprint(), sessions=self.core.session_count(),
             cache_bytes=self.core.store.total_bytes(), cache_budget_bytes=self.core.store.max_bytes,
             forward_costs=self.core.cost_curve.to_pb(), gemm_path=self.core.gemm_path,
             max_batch=self.scheduler.limits.max_batch,
@@ -188,6 +189,8 @@ def store_limits(args: argparse.Namespace) -> StoreLimits:
     if not args.session_ttl_s > 0 or not args.cache_budget_mb > 0 or args.max_sessions < 1:
         raise SystemExit("--session-ttl-s and --cache-budget-mb must be > 0 and --max-sessions >= 1, got "
                          f"{args.session_ttl_s}, {args.cache_budget_mb} and {args.max_sessions}")
+    if not math.isfinite(args.calibration_s):
+        raise SystemExit(f"--calibration-s must be a number of seconds (0 skips), got {args.calibration_s}")
     return StoreLimits(max_bytes=int(args.cache_budget_mb * 1024 * 1024), ttl_s=args.session_ttl_s,
                        max_sessions=args.max_sessions)
 

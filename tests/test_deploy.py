@@ -160,6 +160,36 @@ async def test_prometheus_metrics() -> None:
         await stack.close()
 
 
+async def test_a_deadline_that_runs_out_is_counted_as_deadline_exceeded() -> None:
+    """gRPC cancels the handler when the caller's deadline runs out during a worker call: the caller
+    sees DEADLINE_EXCEEDED, and the metrics counted CANCELLED."""
+    stack = await start_stack(target_call_delay_ms=150.0)
+    cfg = OrchestratorConfig(f"127.0.0.1:{stack.draft_handle.port}", f"127.0.0.1:{stack.target_handle.port}",
+                             "tiny:seed=0", metrics_port=0, connect_timeout_s=10)
+    handle, orch, backends = await start_orchestrator(cfg)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            for timeout in (0.1, 0.2):
+                with pytest.raises(grpc.aio.AioRpcError) as late:
+                    await stub.Generate(request(prompt_ids=[1, 2, 3], max_new_tokens=50), timeout=timeout)
+                assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def scrape() -> str:
+            return urllib.request.urlopen(f"http://127.0.0.1:{handle.metrics_port}/metrics", timeout=10).read().decode()
+        body = ""
+        for _ in range(100):  # counted when the server has ended the handler
+            body = await asyncio.to_thread(scrape)
+            if 'specdec_requests_total{code="DEADLINE_EXCEEDED",method="Generate"} 2.0' in body:
+                break
+            await asyncio.sleep(0.1)
+        assert 'specdec_requests_total{code="DEADLINE_EXCEEDED",method="Generate"} 2.0' in body
+        assert 'code="CANCELLED"' not in body
+    finally:
+        await stop_orchestrator(handle, backends)
+        await stack.close()
+
+
 # ----------------------------------------------------------------------------- TLS, mTLS, bearer auth
 
 def make_pki(tmp: Path) -> dict[str, str]:
@@ -333,3 +363,14 @@ async def test_a_dead_replica_of_a_static_list_is_routed_around_from_startup_on(
         assert orch.engine.target.node_for(on_dead) != dead
     finally:
         await stop_orchestrator(handle, backends, (draft, live), channel)
+
+
+def test_bearer_scheme_is_case_insensitive_and_any_authorization_value_may_carry_the_token() -> None:
+    from specdec.security import BearerTokenInterceptor
+    auth = BearerTokenInterceptor(["s3cret"])
+    assert auth._authorized((("authorization", "bearer s3cret"),))  # RFC 7235: the scheme is case-insensitive
+    assert auth._authorized((("authorization", "BEARER  s3cret "),))
+    assert auth._authorized((("authorization", "Bearer wrong"), ("authorization", "Bearer s3cret")))
+    for refused in ((), (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),),
+                    (("authorization", "Basic s3cret"),), (("authorization", "Bearer"),)):
+        assert not auth._authorized(refused), refused

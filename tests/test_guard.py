@@ -552,6 +552,51 @@ def test_only_steady_rounds_decided_after_the_last_epochs_rounds_ended_count() -
     assert guard._outstanding == {}
 
 
+def test_a_long_round_of_the_last_epoch_does_not_keep_the_next_one_from_counting() -> None:
+    """A turn's first round over a long prompt, decided in the winner's epoch, still runs when the
+    probe of the loser begins: rounds beside it did not count until it ended, so the pair ran the
+    losing mode for all its length (20 s of target-only at 2/3 of speculation's rate, then 60 s for a
+    60 s round). After LONG_ROUND_DECISIONS decisions per round in flight it no longer holds them."""
+    from orchestrator.guard import LONG_ROUND_DECISIONS
+    for long_ms in (0.0, 20_000.0, 60_000.0):
+        guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+        play(guard, 3000, spec_round=(3, 100.0), off_round=(1, 50.0))  # speculation wins, confirmed
+        while not (guard.mode == SPECULATE and guard._ms >= guard._needed_ms - 150):
+            play(guard, 1, spec_round=(3, 100.0), off_round=(1, 50.0))  # the winner's epoch nearly over
+        long_round = guard.decide() if long_ms else None
+        elapsed = probe_rounds = 0.0
+        while True:
+            modes = play(guard, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+            elapsed += 100.0 if modes[0] else 50.0
+            if modes[0] == 0:
+                probe_rounds += 1
+            elif probe_rounds:
+                break  # speculating again: the probe ended
+            if long_round is not None and elapsed >= long_ms:
+                guard.observe(long_round, 1, long_ms, steady=False, drafted=True, first=True, target_ms=long_ms)
+                long_round = None
+        assert guard.speculation_wins
+        # 8 counted rounds, after at most LONG_ROUND_DECISIONS x 2 rounds in flight uncounted.
+        assert probe_rounds <= 8 + LONG_ROUND_DECISIONS * 2, (long_ms, probe_rounds)
+
+
+def test_first_rounds_begun_at_another_load_do_not_price_this_ones_turns() -> None:
+    """First rounds decided at the old load that end after a rise restarted the comparison were
+    added to the new load's per-turn prices (1.9 of the 2.5 turns needed)."""
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    play(guard, 200, spec_round=(3, 100.0), off_round=(1, 50.0))
+    while guard.mode != SPECULATE:
+        play(guard, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+    early = [guard.decide(), guard.decide()]  # two turns begin speculating at about one session
+    others = [guard.decide() for _ in range(6)]  # six more sessions: the load rises to 8
+    assert guard.load_restarts == 1 and all(t.mode == SPECULATE and t.clean for t in early)
+    for ticket in early:
+        guard.observe(ticket, 3, 900.0, steady=False, drafted=True, first=True, target_ms=400.0)
+    assert guard.first_rounds.turns == 0
+    for ticket in others:
+        guard.abandon(ticket)
+
+
 def test_a_probe_in_which_the_policies_hardly_drafted_cannot_restart_speculation() -> None:
     guard = PairGuard(GuardSettings(spec_rounds=4, off_rounds=4, margin=0.0))
     play(guard, 200, spec_round=(3, 200.0), off_round=(1, 50.0))
@@ -661,5 +706,33 @@ async def test_the_pair_guard_stops_speculation_that_slows_the_pair_as_a_whole(c
             spec, off = pair_guard.rates[SPECULATE], pair_guard.rates[TARGET_ONLY]
             assert pair_guard.speculation_wins and spec > off and pair_guard.flips == 0, (spec, off, ks)
             assert 0 < off_rounds < sum(r.stats.rounds for r in replies) // 2
+    finally:
+        await stack.close()
+
+
+async def test_a_round_that_fails_before_it_runs_hands_its_ticket_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard's ticket was taken before the policy picked k: a policy that raised left it in
+    flight for good (the pair's load too high and every later round unclean, for ever)."""
+    import grpc
+
+    from orchestrator.kpolicy import CostModelPolicy
+    stack = await start_stack(speculation=SpeculationConfig(policy="cost", guard=True))
+    try:
+        calls = 0
+        real_next_k = CostModelPolicy.next_k
+
+        def failing_once(self, *args, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                raise ZeroDivisionError("a bug in the policy")
+            return real_next_k(self, *args, **kwargs)
+
+        monkeypatch.setattr(CostModelPolicy, "next_k", failing_once)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await stack.generate(prompt_ids=[5, 6, 7], max_new_tokens=20)
+        assert failed.value.code() == grpc.StatusCode.INTERNAL  # a bug stays one
+        guard = stack.orch.engine.guard_for("any")
+        assert guard.in_flight == 0 and guard._outstanding == {}
     finally:
         await stack.close()

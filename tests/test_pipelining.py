@@ -450,6 +450,7 @@ def test_a_forked_slot_drafts_what_the_session_would_and_leaves_it_alone() -> No
     # A slot forked again is replaced, not appended to.
     engine.propose(ProposeParams("s", Commit(3, prefix_hash(text[:3]), (7,)), 1, greedy, slot=2, fork_from=0))
     assert core.session_tokens(slot_key("s", 2)) == text[:3] + [7]
+    assert core.session_count() == 2 and len(core.store) == 3  # GetInfo and /metrics: branch slots are no sessions
     with pytest.raises(SessionNotFound):
         engine.propose(ProposeParams("s", fork, 2, greedy, slot=1, fork_from=3))
     with pytest.raises(CacheMismatch):

@@ -17,6 +17,7 @@ from orchestrator.config import SpeculationOverride
 from orchestrator.api import EngineLimits, GenerateParams
 from orchestrator.engine import GenerationEngine
 from orchestrator.kpolicy import SessionStats
+from specdec.errors import SessionBusy
 from specdec.tools.loadtest import run_load
 from specdec.models import ByteTokenizer
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, worker_pb2
@@ -183,6 +184,35 @@ async def test_deadline_and_cancellation_leak_nothing(stack) -> None:
     assert not tasks
 
 
+async def test_the_next_turn_waits_for_a_cancelled_turn_to_clean_up_not_for_a_running_one(stack) -> None:
+    """A client cancels its stream and at once asks again on the same session: the cancelled turn
+    still held the session while it settled its pre-drafts, and the next turn was refused
+    FAILED_PRECONDITION 'busy' (3 of 12 tries with 4 branches). A turn that still runs is refused
+    at once, as before."""
+    from orchestrator.engine import ENDING_WAIT_S
+    engine = stack.orch.engine
+    params = GenerateParams(prompt_ids=(5,), max_new_tokens=3, session_id="s")
+    session = engine.sessions.get_or_create("s", False, SessionStats)
+    await session.lock.acquire()  # a turn holds the session
+    session.ending = False
+    with pytest.raises(SessionBusy):
+        async for _ in engine.generate(params):
+            pass
+    session.ending = True  # ... and is only cleaning up now
+    asyncio.get_running_loop().call_later(0.2, session.lock.release)
+    started = time.monotonic()
+    events = [event async for event in engine.generate(params)]
+    assert events[-1].finish_reason is not None and time.monotonic() - started < ENDING_WAIT_S
+    assert not session.lock.locked()
+    # The whole path, over gRPC: cancel a pipelined stream with branches, ask again at once.
+    spec = {"pipeline": True, "pipeline_branches": 4, "fixed_k": 4}
+    for trial in range(6):
+        await cancel_stream_after(stack, 4, prompt_ids=[40 + trial], max_new_tokens=300, session_id=f"c{trial}",
+                                  speculation=spec)
+        reply = await stack.generate(prompt_ids=[5], max_new_tokens=4, session_id=f"c{trial}", speculation=spec)
+        assert reply.stats.new_tokens == 4
+
+
 # ----------------------------------------------------------------------------- 4. bounded memory
 
 async def test_kv_budget_evicts_lru_and_rebuilds_correctly() -> None:
@@ -329,6 +359,38 @@ def test_the_admission_retry_hint_follows_the_measured_request_time() -> None:
     assert admission.retry_after_ms() == 100  # never a busy loop
 
 
+async def test_a_rate_limit_keeps_its_rate_and_its_queue_bound() -> None:
+    """--rate-per-s 0.5 became int(0.5) = 0 starts per second: every request waited for good; and
+    requests held back by the rate never counted against max_queue (the queue grew without bound,
+    callers timed out instead of getting RESOURCE_EXHAUSTED at once)."""
+    from orchestrator.admission import Admission
+    from specdec.errors import CapacityExceeded
+
+    async def enter(admission: Admission) -> None:
+        async with admission.slot():
+            pass
+
+    admission = Admission(max_concurrent=4, max_queue=2, rate_per_s=0.5)
+    await asyncio.wait_for(enter(admission), 1.0)  # the first start comes at once
+    held_back = [asyncio.create_task(enter(admission)) for _ in range(2)]  # the next ones in 2 s steps
+    try:
+        await asyncio.sleep(0.1)
+        assert admission.waiting == 2 and admission.running == 0
+        with pytest.raises(CapacityExceeded):
+            await enter(admission)
+        assert admission.rejected == 1
+    finally:
+        for task in held_back:
+            task.cancel()
+        await asyncio.gather(*held_back, return_exceptions=True)
+    assert admission.waiting == 0
+    throttler = Admission(4, 2, rate_per_s=1.5)._throttler
+    assert throttler.rate_limit / throttler.period == pytest.approx(1.5)  # not int(1.5) = 1 per second
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            Admission(4, 2, rate_per_s=bad)
+
+
 # ----------------------------------------------------------------------------- 6. bad input
 
 async def test_bad_bytes_and_oversized_messages(stack) -> None:
@@ -420,3 +482,18 @@ async def test_fresh_worker_checks_the_budget_on_its_first_request() -> None:
         assert stack.target.core.store.total_bytes() == 0  # rejected before any KV was allocated
     finally:
         await stack.close()
+
+
+def test_ending_an_evicted_session_lets_its_id_start_afresh() -> None:
+    """The client was told its session was evicted, ended it, and started a new conversation with
+    the same id: NOT_FOUND 'was evicted', again."""
+    from orchestrator.sessions import OrchestratorSessions
+    from specdec.errors import SessionNotFound
+    sessions = OrchestratorSessions(1, ttl_s=600.0, on_evict=lambda session: None)
+    sessions.get_or_create("a", False, SessionStats)
+    sessions.get_or_create("b", False, SessionStats)  # evicts a
+    sessions.get_or_create("c", False, SessionStats)  # evicts b
+    with pytest.raises(SessionNotFound, match="evicted"):
+        sessions.get_or_create("a", False, SessionStats)
+    sessions.remove("b")  # what EndSession("b") does, held or not
+    assert sessions.get_or_create("b", False, SessionStats).tokens == []

@@ -276,6 +276,25 @@ def test_a_calibration_point_above_a_larger_one_is_noise() -> None:
     assert seeded.timing.load.forward_ms(16) < 620.0
 
 
+def test_a_curve_that_repeats_a_token_count_prices_without_dividing_by_zero() -> None:
+    """A GetInfo curve with one token count twice: the draft's rows curve kept both points, and the
+    slope past its end divided by zero (ZeroDivisionError in next_k: INTERNAL)."""
+    from specdec.curves import extended
+    repeated = CostCurve(((1, 64, 2.0), (2, 64, 2.5), (2, 64, 2.2)))
+    assert repeated.rows_curve() == ((1, 2.0), (2, 2.2))
+    assert extended(((1, 2.0), (2, 2.2), (2, 2.3)), 8) == pytest.approx(2.3)  # flat past a vertical step
+    seeded = seeded_stats(describe(repeated.points), describe(repeated.points), max_k=4)
+    assert seeded.timing.draft_rows_factor(3) > 0
+
+
+def test_a_calibration_budget_that_is_not_a_number_is_refused() -> None:
+    """NaN passed the `budget <= 0` skip and then no `elapsed > budget` ever held: no budget at all."""
+    core = WorkerCore(load_model("tiny:seed=0"), "target")
+    for budget in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite"):
+            calibrate(core, max_k=3, budget_s=budget)
+
+
 async def test_workers_report_their_curve_in_get_info() -> None:
     # Its own model: calibration may swap linears, and the tests' cached models must stay as built.
     servicer = TargetServicer(WorkerCore(load_model("tiny:seed=0"), "target"))

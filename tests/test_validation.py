@@ -109,3 +109,14 @@ async def test_worker_propose_then_verify_round(stack) -> None:
     assert verdict.cache_len == len(prompt) + 4
     info = await target.GetInfo(common_pb2.GetInfoRequest())
     assert info.role == "target" and info.sessions == 1 and info.cache_bytes > 0
+
+
+def test_workers_take_only_an_exact_zero_top_p_as_unset() -> None:
+    """proto3's 0 means unset (no top-p); -1 and NaN were also read as 1.0 and ran without top-p on
+    the workers, where the orchestrator refuses them."""
+    from specdec.contract import SamplingConfig
+    from specdec.v1 import common_pb2
+    assert SamplingConfig.from_pb(common_pb2.SamplingParams(top_p=0.0)).top_p == 1.0
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingConfig.from_pb(common_pb2.SamplingParams(top_p=bad)).validate()
