@@ -31,6 +31,7 @@ class GenerationStats:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     k_per_round: list[int] = field(default_factory=list)
+    accepted_per_round: list[int] = field(default_factory=list)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     total_ms: float = 0.0
@@ -65,6 +66,7 @@ class GenerationStats:
     def observe(self, record: RoundRecord) -> None:
         self.rounds += 1
         self.k_per_round.append(record.drafted)
+        self.accepted_per_round.append(record.accepted)
         self.draft_tokens += record.drafted
         self.accepted_tokens += record.accepted
         if len(self.accepted_per_position) < record.drafted:

@@ -51,6 +51,15 @@ def test_bench_smoke_report(tmp_path: Path) -> None:
                 assert all(max(r["k_per_round"]) <= k for r in runs if r["system"] == name)
         if mode == "greedy":  # every greedy system reproduces target-only exactly
             assert all(row["identical_to_target_only"] for row in rows.values())
+    # Every service run has its accepted count per round, in the order of k_per_round (what a pairs).
+    service = {s.name for s in systems() if s.kind == "service"}
+    for run in runs:
+        if run["system"] in service:
+            assert len(run["accepted_per_round"]) == len(run["k_per_round"]) == run["rounds"]
+            assert sum(run["accepted_per_round"]) == run["accepted"]
+            assert all(0 <= n <= k for n, k in zip(run["accepted_per_round"], run["k_per_round"]))
+        else:
+            assert run["accepted_per_round"] == []
     for name in ("tokens_per_s_vs_k_greedy.png", "tokens_per_s_vs_k_sampled.png", "acceptance_by_position.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert name in md

@@ -88,6 +88,7 @@ class Run:
     bytes_from_target: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)  # in k_per_round's order
 
     @property
     def tokens_per_s(self) -> float:
@@ -171,7 +172,8 @@ async def service_run(stub: Any, system: System, mode: str, prompt_name: str, pr
     return Run(system.name, mode, prompt_name, s.new_tokens, wall, list(reply.token_ids), s.rounds, s.draft_tokens,
                s.accepted_tokens, list(s.accepted_per_position), list(s.k_per_round), s.draft_ms, s.verify_ms,
                s.overhead_ms, s.bytes_to_draft, s.bytes_from_draft, s.bytes_to_target, s.bytes_from_target,
-               target_forwards=s.rounds, draft_forwards=s.draft_tokens)
+               target_forwards=s.rounds, draft_forwards=s.draft_tokens,
+               accepted_per_round=list(s.accepted_per_round))
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -244,17 +246,12 @@ def summarize(runs: list[Run], mode: str, plan: list[System] | None = None) -> d
 
 
 def _round_outcomes(run: Run) -> list[tuple[int, int]]:
-    """(k, accepted) per round, reconstructed from k_per_round and accepted_per_position."""
-    # accepted_per_position[i] counts rounds accepting position i; rounds are prefix-closed, so the
-    # number of rounds whose accepted count is exactly n is apc[n-1] - apc[n].
-    apc = run.accepted_per_position + [0]
-    outcomes: list[tuple[int, int]] = []
-    counts = {n: (apc[n - 1] if n else len(run.k_per_round)) - apc[n] for n in range(0, len(apc))}
-    ks = sorted(run.k_per_round, reverse=True)
-    for n in sorted(counts, reverse=True):
-        for _ in range(max(0, counts[n])):
-            outcomes.append((ks.pop(0) if ks else n, n))
-    return outcomes
+    """(k, accepted) per round: each round's k with its own accepted count (sorting both lists, as
+    before, paired a capped k = 2 round that accepted 2 with a k = 8 one: a = 0.50 for 0.667)."""
+    if len(run.accepted_per_round) != len(run.k_per_round):
+        raise ValueError(f"{run.system}: {len(run.k_per_round)} rounds but {len(run.accepted_per_round)} "
+                         "accepted counts (an orchestrator without GenerationStats.accepted_per_round?)")
+    return list(zip(run.k_per_round, run.accepted_per_round))
 
 
 def markdown(summary: dict[str, Any]) -> str:

@@ -33,6 +33,8 @@ class Level:
     started: float = 0.0       # perf_counter at the block's start
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (s since start, tokens) per chunk
     stream_ends: list[float] = field(default_factory=list)           # s since start, per stream
+    requests_per_stream: int = 0  # what each stream ran (0: not recorded)
+    prompts_run: list[int] = field(default_factory=list)  # prompt index of each request, in start order
 
     def busy_tokens_per_s(self) -> float:
         """Tokens per second while every stream was still running: up to the first stream's end."""
@@ -44,7 +46,7 @@ class Level:
 
     def summary(self) -> dict[str, Any]:
         return {"mode": self.mode, "streams": self.streams, "repeat": self.repeat, "requests": self.requests,
-                "tokens": self.tokens,
+                "requests_per_stream": self.requests_per_stream, "tokens": self.tokens,
                 "tokens_per_s": round(self.tokens / self.wall_s, 2) if self.wall_s else 0.0,
                 "busy_tokens_per_s": round(self.busy_tokens_per_s(), 2),
                 "itl_p50_ms": round(percentile(self.itl_ms, 0.5), 1),
@@ -127,16 +129,21 @@ def epochs_markdown(traces: list[RoundTrace]) -> str:
 
 
 def markdown(levels: list[Level]) -> str:
+    """One row per block: "requests / stream" is what each of its streams ran (loadsweep runs more at
+    the lower levels so that every level runs each prompt equally often); "x one stream" is its tok/s
+    over the same mode's pooled 1-stream rate ("-" where the sweep had no 1-stream level)."""
     repeated = any(lv.repeat for lv in levels)
-    rows = ["| mode | streams | " + ("repeat | " if repeated else "") + "tok/s | x one stream | tok/s, all busy | "
-            "ITL p50 / p99 ms | TTFT p50 / p99 ms | acceptance | mean k | guard: rounds off | differs from alone | "
-            "errors |", "|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| mode | streams | requests / stream | " + ("repeat | " if repeated else "") + "tok/s | x one stream | "
+            "tok/s, all busy | ITL p50 / p99 ms | TTFT p50 / p99 ms | acceptance | mean k | guard: rounds off | "
+            "differs from alone | errors |",
+            "|---|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|---|---|---|---|---|"]
     base = {mode: pooled(levels, mode, 1) for mode in ("speculative", "target-only")}
     for lv in sorted(levels, key=lambda lv: (lv.mode != "speculative", lv.streams, lv.repeat)):
         s = lv.summary()
-        ratio = s["tokens_per_s"] / base[lv.mode] if base.get(lv.mode) else 0.0
-        rows.append(f"| {lv.mode} | {lv.streams} | " + (f"{lv.repeat + 1} | " if repeated else "")
-                    + f"{s['tokens_per_s']:.2f} | {ratio:.2f}x | {s['busy_tokens_per_s']:.2f} | "
+        ratio = f"{s['tokens_per_s'] / base[lv.mode]:.2f}x" if base.get(lv.mode) else "-"
+        rows.append(f"| {lv.mode} | {lv.streams} | {lv.requests_per_stream or '-'} | "
+                    + (f"{lv.repeat + 1} | " if repeated else "")
+                    + f"{s['tokens_per_s']:.2f} | {ratio} | {s['busy_tokens_per_s']:.2f} | "
                     f"{s['itl_p50_ms']:.0f} / {s['itl_p99_ms']:.0f} | {s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | "
                     f"{s['acceptance'] if s['acceptance'] is not None else '-'} | {s['mean_k']} | "
                     f"{s['guard_off_share']:.0%} | "

@@ -1,7 +1,9 @@
 """`specdec loadtest --sweep 1,2,4,8`: concurrent streams against the pair, speculation vs target-only.
 
-For each concurrency level N, N closed-loop streams each run `--requests-per-stream` greedy requests
-one after another (the bench's prompts, chat-templated), with the server's default k policy and with
+For each concurrency level N, N closed-loop streams each run R_N greedy requests one after another
+(the bench's prompts, chat-templated; R_N is the smallest count of at least `--requests-per-stream`
+for which N x R_N is a multiple of the prompt count, so that every level runs each prompt equally
+often and "x one stream" compares the same mix of prompts), with the server's default k policy and with
 k = 0 (target-only) through the same services. With `--repeats R` the two modes alternate R times per
 level in ABBA order (spec, target-only, target-only, spec, ...), so a drift of the machine's speed over
 the run falls on both modes alike; the report gives each repeat's ratio and their spread. Reports per
@@ -20,7 +22,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -64,43 +68,72 @@ async def _one(stub: Any, prompt_ids: list[int], max_new: int, fixed_k: int | No
     return ids
 
 
-async def sweep(address: str, prompts: list[list[int]], levels: list[int], requests_per_stream: int,
+def balanced_requests_per_stream(levels: list[int], prompts: int, minimum: int) -> dict[int, int]:
+    """Per level N: the smallest R >= minimum (and >= 1) with N x R a multiple of the prompt count, so
+    that the level's N x R requests run each prompt equally often (prompt_plan). For 8 prompts, at
+    least 2 requests per stream and levels 1, 2, 4, 8: 8, 4, 2, 2."""
+    out = {}
+    for streams in levels:
+        step = prompts // math.gcd(streams, prompts)  # R must be a multiple of this
+        out[streams] = step * max(1, math.ceil(max(1, minimum) / step))
+    return out
+
+
+def prompt_plan(streams: int, requests_per_stream: int, prompts: int) -> list[list[int]]:
+    """The prompt index of each stream's requests: the level's N x R request slots take the prompts
+    round-robin, each stream a run of R consecutive slots. Each stream gets a mix and the streams
+    together cover them all (with as many streams as prompts, slot s + r * streams pinned each stream
+    to one prompt, and its duration to that prompt's acceptance; runs 15-16 used s + r, which at 4
+    streams x 2 requests covered only 5 of the 8 prompts). Where N x R is a multiple of the prompt
+    count, every prompt runs N x R / prompts times."""
+    return [[(s * requests_per_stream + r) % prompts for r in range(requests_per_stream)] for s in range(streams)]
+
+
+async def sweep(address: str, prompts: list[list[int]], levels: list[int], requests_per_stream: int | Mapping[int, int],
                 max_new: int, timeout_s: float, repeats: int = 1) -> tuple[list[Level], dict[int, list[int]]]:
+    """Run the sweep against the orchestrator at `address` (see sweep_on)."""
     import grpc
 
     from specdec.v1 import orchestrator_pb2_grpc
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-        alone = Level("reference", 1)
-        references = {}
-        for i, prompt in enumerate(prompts):  # each prompt alone, target-only: what identity means
-            references[i] = await _one(stub, prompt, max_new, 0, timeout_s, alone)
-        results = []
-        for streams in levels:
-            for repeat in range(repeats):
-                modes = (("speculative", None), ("target-only", 0))
-                for mode, fixed_k in (modes if repeat % 2 == 0 else modes[::-1]):  # ABBA
-                    level = Level(mode, streams, repeat)
+        return await sweep_on(orchestrator_pb2_grpc.OrchestratorStub(channel), prompts, levels, requests_per_stream,
+                              max_new, timeout_s, repeats)
 
-                    async def stream(s: int, level: Level = level, fixed_k: int | None = fixed_k) -> None:
-                        for r in range(requests_per_stream):
-                            # Each stream takes its own run of prompts, so every stream gets a mix and
-                            # the streams together cover them all (with as many streams as prompts,
-                            # s + r * streams pinned each stream to one prompt, and its duration to
-                            # that prompt's acceptance; runs 15-16 used s + r, which at 4 streams x 2
-                            # requests covered only 5 of the 8 prompts).
-                            idx = (s * requests_per_stream + r) % len(prompts)
-                            level.requests += 1
-                            ids = await _one(stub, prompts[idx], max_new, fixed_k, timeout_s, level)
-                            if ids is not None and ids != references[idx]:
-                                level.mismatches += 1
-                        level.stream_ends.append(time.perf_counter() - level.started)
-                    level.started = time.perf_counter()
-                    await asyncio.gather(*(stream(s) for s in range(streams)))
-                    level.wall_s = time.perf_counter() - level.started
-                    print(json.dumps(level.summary()), flush=True)
-                    results.append(level)
+
+async def sweep_on(stub: Any, prompts: list[list[int]], levels: list[int],
+                   requests_per_stream: int | Mapping[int, int], max_new: int, timeout_s: float,
+                   repeats: int = 1) -> tuple[list[Level], dict[int, list[int]]]:
+    """requests_per_stream: the same count at every level, or one per level (main passes
+    balanced_requests_per_stream, so that each level runs every prompt equally often)."""
+    per_level = (dict(requests_per_stream) if isinstance(requests_per_stream, Mapping)
+                 else {streams: requests_per_stream for streams in levels})
+    alone = Level("reference", 1)
+    references = {}
+    for i, prompt in enumerate(prompts):  # each prompt alone, target-only: what identity means
+        references[i] = await _one(stub, prompt, max_new, 0, timeout_s, alone)
+    results = []
+    for streams in levels:
+        plan = prompt_plan(streams, per_level[streams], len(prompts))
+        for repeat in range(repeats):
+            modes = (("speculative", None), ("target-only", 0))
+            for mode, fixed_k in (modes if repeat % 2 == 0 else modes[::-1]):  # ABBA
+                level = Level(mode, streams, repeat, requests_per_stream=per_level[streams])
+
+                async def stream(s: int, level: Level = level, fixed_k: int | None = fixed_k) -> None:
+                    for idx in plan[s]:
+                        level.requests += 1
+                        level.prompts_run.append(idx)
+                        ids = await _one(stub, prompts[idx], max_new, fixed_k, timeout_s, level)
+                        if ids is not None and ids != references[idx]:
+                            level.mismatches += 1
+                    level.stream_ends.append(time.perf_counter() - level.started)
+                level.started = time.perf_counter()
+                await asyncio.gather(*(stream(s) for s in range(streams)))
+                level.wall_s = time.perf_counter() - level.started
+                print(json.dumps(level.summary()), flush=True)
+                results.append(level)
     return results, references
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="specdec loadtest --sweep", description=__doc__)
@@ -109,7 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--draft", default=DEFAULT_DRAFT)
     parser.add_argument("--prompts", default=str(ROOT / "bench" / "prompts.jsonl"))
-    parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--requests-per-stream", type=int, default=2,
+                        help="at least this many per stream; a level runs more where needed so that its streams "
+                             "run every prompt equally often (1, 2, 4, 8 streams on 8 prompts: 8, 4, 2, 2)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=1,
                         help="alternate the two modes this many times per level (ABBA), to measure the spread")
@@ -130,13 +165,14 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(args.target)
     prompts = [tokenizer.apply_chat_template(json.loads(line)["messages"], add_generation_prompt=True)
                for line in open(args.prompts) if line.strip()][: max(levels)]
+    per_stream = balanced_requests_per_stream(levels, len(prompts), args.requests_per_stream)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
     def run(address: str) -> tuple[list[Level], dict[int, list[int]]]:
-        return asyncio.run(sweep(address, prompts, levels, args.requests_per_stream, args.max_new_tokens,
-                                 args.timeout_s, args.repeats))
+        return asyncio.run(sweep(address, prompts, levels, per_stream, args.max_new_tokens, args.timeout_s,
+                                 args.repeats))
     if args.address:
         results, _ = run(args.address)
     else:
@@ -161,13 +197,17 @@ def main(argv: list[str] | None = None) -> None:
     report = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
               "duration_s": round(time.time() - started, 1), "machine": machine, "target": args.target,
               "draft": args.draft, "max_new_tokens": args.max_new_tokens,
-              "requests_per_stream": args.requests_per_stream, "repeats": args.repeats, "worker_args": args.worker_args,
+              "prompts": len(prompts), "min_requests_per_stream": args.requests_per_stream,
+              "requests_per_stream": {str(n): r for n, r in per_stream.items()},
+              "repeats": args.repeats, "worker_args": args.worker_args,
               "cpu_sets": {"target": args.target_cpus, "draft": args.draft_cpus},
               "levels": [lv.summary() for lv in results], "raw": [asdict(lv) for lv in results]}
     (out / "loadtest.json").write_text(json.dumps(report, indent=1))
     plot(results, out / "loadtest.png")
     md = (f"`{command}` ({report['started']} UTC, {report['duration_s']:.0f} s). Machine: {machine['cpu']} "
           f"({machine['cpus']} cpus; flags {machine['flags']}); {machine['gpu']}; torch {machine['torch']}.\n\n"
+          f"Requests per stream by level: {', '.join(f'{n} streams {r}' for n, r in per_stream.items())}: each "
+          f"level runs each of the {len(prompts)} prompts equally often.\n\n"
           + markdown(results) + "\n\n![loadtest](loadtest.png)\n")
     (out / "loadtest.md").write_text(md)
     print(md)

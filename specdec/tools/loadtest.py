@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import sys
@@ -49,11 +50,15 @@ class LoadReport:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
+    """Nearest-rank percentile (0 for no values): the smallest value with at least a fraction q of
+    the values at or below it, i.e. the ceil(q * n)-th smallest (p50 of [1, 2, 3, 4] is 2, p99 of
+    100 values the 99th). q * n is rounded to 9 decimals first, so that 0.07 * 100 (7.000000000000001
+    in floating point) picks the 7th value, not the 8th."""
     if not values:
         return 0.0
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    rank = math.ceil(round(q * len(ordered), 9))
+    return ordered[min(len(ordered), max(1, rank)) - 1]
 
 
 def prompts_for(count: int, seed: int, vocab_hint: int) -> list[list[int]]:

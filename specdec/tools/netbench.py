@@ -2,7 +2,7 @@
 
 The workers run on disjoint CPU sets (taskset, one torch thread each by default) to emulate two
 devices, and the orchestrator adds a one-way delay to every worker call (a gRPC client interceptor;
-the traffic stays on 127.0.0.1). For each one-way latency, three systems run the same prompts,
+the traffic stays on 127.0.0.1). For each one-way latency, five systems run the same prompts,
 round-robin per prompt, in one run:
 
   target-only            fixed k = 0

@@ -88,7 +88,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "accepted_per_position", "k_per_round", "draft_ms", "verify_ms", "overhead_ms", "total_ms", "tokens_per_second", "new_tokens", "reprefills", "bytes_to_draft", "bytes_to_target", "seed", "fallback_rounds", "prompt_tokens", "cached_prompt_tokens", "bytes_from_draft", "bytes_from_target", "predraft_hits", "predraft_misses", "predraft_saved_ms", "predraft_branch_hits", "guard_off_rounds")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "accepted_per_position", "k_per_round", "draft_ms", "verify_ms", "overhead_ms", "total_ms", "tokens_per_second", "new_tokens", "reprefills", "bytes_to_draft", "bytes_to_target", "seed", "fallback_rounds", "prompt_tokens", "cached_prompt_tokens", "bytes_from_draft", "bytes_from_target", "predraft_hits", "predraft_misses", "predraft_saved_ms", "predraft_branch_hits", "guard_off_rounds", "accepted_per_round")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class GenerationStats(_message.Message):
     PREDRAFT_SAVED_MS_FIELD_NUMBER: _ClassVar[int]
     PREDRAFT_BRANCH_HITS_FIELD_NUMBER: _ClassVar[int]
     GUARD_OFF_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -141,7 +142,8 @@ class GenerationStats(_message.Message):
     predraft_saved_ms: float
     predraft_branch_hits: int
     guard_off_rounds: int
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., k_per_round: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., new_tokens: _Optional[int] = ..., reprefills: _Optional[int] = ..., bytes_to_draft: _Optional[int] = ..., bytes_to_target: _Optional[int] = ..., seed: _Optional[int] = ..., fallback_rounds: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., bytes_from_draft: _Optional[int] = ..., bytes_from_target: _Optional[int] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ..., predraft_saved_ms: _Optional[float] = ..., predraft_branch_hits: _Optional[int] = ..., guard_off_rounds: _Optional[int] = ...) -> None: ...
+    accepted_per_round: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., k_per_round: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., new_tokens: _Optional[int] = ..., reprefills: _Optional[int] = ..., bytes_to_draft: _Optional[int] = ..., bytes_to_target: _Optional[int] = ..., seed: _Optional[int] = ..., fallback_rounds: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., bytes_from_draft: _Optional[int] = ..., bytes_from_target: _Optional[int] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ..., predraft_saved_ms: _Optional[float] = ..., predraft_branch_hits: _Optional[int] = ..., guard_off_rounds: _Optional[int] = ..., accepted_per_round: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "session_id")
