@@ -7,6 +7,7 @@ import ipaddress
 import re
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -16,7 +17,7 @@ from orchestrator.app import OrchestratorConfig, start_orchestrator
 from orchestrator.routing import HashRing, ReplicaEjection, ReplicaPool
 from specdec import security
 from specdec.v1 import orchestrator_pb2_grpc
-from tests.stack import request, start_stack, start_worker
+from tests.stack import Stack, request, start_stack, start_worker
 from tests.test_e2e_generate import reference_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,23 +126,32 @@ async def test_health_and_reflection_on_all_services(stack) -> None:
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+async def metrics_orchestrator(stack: Stack) -> tuple[Any, Any]:
+    """start_stack's orchestrator has no metrics port: a second one with one, on the same workers."""
+    cfg = OrchestratorConfig(f"127.0.0.1:{stack.draft_handle.port}", f"127.0.0.1:{stack.target_handle.port}",
+                             "tiny:seed=0", metrics_port=0, connect_timeout_s=10)
+    handle, _, backends = await start_orchestrator(cfg)
+    return handle, backends
+
+
+async def scrape(port: int) -> str:
+    return await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+
+
 async def test_prometheus_metrics() -> None:
     from prometheus_client import generate_latest
 
     from specdec.metrics import worker_registry
     stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02")
-    # start_stack has no metrics port: run a second orchestrator with one on the same workers.
-    cfg = OrchestratorConfig(f"127.0.0.1:{stack.draft_handle.port}", f"127.0.0.1:{stack.target_handle.port}",
-                             "tiny:seed=0", metrics_port=0, connect_timeout_s=10)
-    handle, orch, backends = await start_orchestrator(cfg)
+    handle, backends = await metrics_orchestrator(stack)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             await stub.Generate(request(prompt_ids=[1, 2, 3], max_new_tokens=20, speculation={"fixed_k": 3}))
             with pytest.raises(grpc.aio.AioRpcError):
                 await stub.Generate(request(prompt="", max_new_tokens=5))
-        body = await asyncio.to_thread(
-            lambda: urllib.request.urlopen(f"http://127.0.0.1:{handle.metrics_port}/metrics", timeout=10).read().decode())
+        body = await scrape(handle.metrics_port)
         assert 'specdec_requests_total{code="OK",method="Generate"} 1.0' in body
         assert 'specdec_requests_total{code="INVALID_ARGUMENT",method="Generate"} 1.0' in body
         assert "specdec_generated_tokens_total 20.0" in body
@@ -164,9 +174,7 @@ async def test_a_deadline_that_runs_out_is_counted_as_deadline_exceeded() -> Non
     """gRPC cancels the handler when the caller's deadline runs out during a worker call: the caller
     sees DEADLINE_EXCEEDED, and the metrics counted CANCELLED."""
     stack = await start_stack(target_call_delay_ms=150.0)
-    cfg = OrchestratorConfig(f"127.0.0.1:{stack.draft_handle.port}", f"127.0.0.1:{stack.target_handle.port}",
-                             "tiny:seed=0", metrics_port=0, connect_timeout_s=10)
-    handle, orch, backends = await start_orchestrator(cfg)
+    handle, backends = await metrics_orchestrator(stack)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
@@ -174,12 +182,9 @@ async def test_a_deadline_that_runs_out_is_counted_as_deadline_exceeded() -> Non
                 with pytest.raises(grpc.aio.AioRpcError) as late:
                     await stub.Generate(request(prompt_ids=[1, 2, 3], max_new_tokens=50), timeout=timeout)
                 assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-
-        def scrape() -> str:
-            return urllib.request.urlopen(f"http://127.0.0.1:{handle.metrics_port}/metrics", timeout=10).read().decode()
         body = ""
         for _ in range(100):  # counted when the server has ended the handler
-            body = await asyncio.to_thread(scrape)
+            body = await scrape(handle.metrics_port)
             if 'specdec_requests_total{code="DEADLINE_EXCEEDED",method="Generate"} 2.0' in body:
                 break
             await asyncio.sleep(0.1)
