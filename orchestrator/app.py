@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,14 @@ async def wait_for_worker(backend: Any, timeout_s: float):
             await asyncio.sleep(0.5)
 
 
+async def wait_for_workers(target: Any, draft: Any, timeout_s: float) -> tuple[Any, Any]:
+    """Both workers' descriptions, within one timeout for the two (the k8s startup probe is sized
+    on it: each with its own, the orchestrator could wait twice as long and be killed first)."""
+    started = asyncio.get_running_loop().time()
+    target_info = await wait_for_worker(target, timeout_s)
+    return target_info, await wait_for_worker(draft, timeout_s - (asyncio.get_running_loop().time() - started))
+
+
 RTT_PINGS = 3  # GetInfo calls per worker at startup; the fastest one is the round trip
 
 
@@ -104,8 +113,7 @@ async def build_engine(cfg: OrchestratorConfig, metrics: OrchestratorMetrics | N
     await draft_pool.start()
     await target_pool.start()
     draft, target = RoutedDraft(draft_pool), RoutedTarget(target_pool)
-    target_info = await wait_for_worker(target, cfg.connect_timeout_s)
-    draft_info = await wait_for_worker(draft, cfg.connect_timeout_s)
+    target_info, draft_info = await wait_for_workers(target, draft, cfg.connect_timeout_s)
     if draft_info.tokenizer_fingerprint != target_info.tokenizer_fingerprint:
         raise SystemExit(f"draft ({draft_info.model_ref}) and target ({target_info.model_ref}) use different "
                          "tokenizers; speculative decoding needs a shared vocabulary")
@@ -199,6 +207,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
+    """The configuration from the flags, checked before anything waits for the workers."""
+    if args.max_concurrent < 1 or args.max_queue < 0 or not (math.isfinite(args.rate_per_s) and args.rate_per_s >= 0):
+        raise SystemExit(f"--max-concurrent must be >= 1, --max-queue >= 0 and --rate-per-s a finite rate >= 0 "
+                         f"(0: off), got {args.max_concurrent}, {args.max_queue} and {args.rate_per_s}")
+    if not (math.isfinite(args.connect_timeout_s) and args.connect_timeout_s > 0):
+        raise SystemExit(f"--connect-timeout-s must be a number of seconds > 0, got {args.connect_timeout_s}")
     spec = SpeculationConfig.from_toml(args.config) if args.config else SpeculationConfig()
     flags = {"policy": args.policy, "min_k": args.min_k, "max_k": args.max_k, "fixed_k": args.fixed_k,
              "min_draft_prob": args.min_draft_prob, "pipeline": args.pipeline}

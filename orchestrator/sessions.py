@@ -63,6 +63,7 @@ class OrchestratorSession:
     # The turn holding the lock has ended or been cancelled and is only cleaning up (settling its
     # pre-drafts): the session's next request waits for it rather than being refused as busy.
     ending: bool = False
+    turns: int = 0  # turns begun: a request that waited while another one began a turn is busy
     last_used: float = field(default_factory=time.monotonic)
 
     async def begin_turn(self, wait_s: float) -> None:
@@ -72,11 +73,18 @@ class OrchestratorSession:
         busy = SessionBusy(f"session {self.session_id!r} is busy with another request; retry when it finishes")
         if self.lock.locked() and not self.ending:
             raise busy
+        seen = self.turns
         try:
             async with asyncio.timeout(wait_s):
                 await self.lock.acquire()
         except TimeoutError:
             raise busy from None
+        if self.turns != seen:
+            # Another request that waited too took the session first, and its turn has run since:
+            # this one arrived while a turn was running, and is refused like any such request.
+            self.lock.release()
+            raise busy
+        self.turns += 1
         self.ending = False
 
     @property

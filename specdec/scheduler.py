@@ -280,9 +280,11 @@ class BatchScheduler:
         free = self.limits.max_batch - _slots_taken(self._active)
         busy = {job.session_id for job in self._active}
         arriving = [] if joining is None else [(joining, False)]
+        now = self._clock()
         queued = 0
-        for session_id, ends_session in [(j.session_id, j.ends_session) for j in self._waiting
-                                         if not j.future.cancelled()] + arriving:
+        for session_id, ends_session in [(j.session_id, j.ends_session) for j in self._waiting  # not dropped
+                                         if not j.future.cancelled() and (j.deadline is None or now < j.deadline)
+                                         ] + arriving:
             if not ends_session:
                 if session_id in busy or free <= 0:
                     queued += 1

@@ -163,13 +163,7 @@ class WorkerCore:
         branch = WorkerSession(copy_cache(source.cache, commit.cache_len), list(source.tokens[:commit.cache_len]),
                                source.prefix_keys[:commit.cache_len])
         key = slot_key(session_id, slot)
-        self.store.put(key, branch)
-        try:
-            self._reserve(key, commit.cache_len)
-        except CapacityExceeded:
-            self.store.pop(key)
-            raise
-        self.store.unpin(key)  # the call's own reservation follows (begin_steps)
+        self.store.put(key, branch)  # its room in the budget: the call's reservation (begin_steps)
 
     # ------------------------------------------------------------------ compute
     @torch.inference_mode()
@@ -281,7 +275,7 @@ class WorkerCore:
                 raise InvalidRequest(f"sequence of {total} tokens exceeds the model context of {self.max_context}")
             self._reserve(session_id, min(total + grow_by, self.max_context))
         except SpecdecError:
-            if not session.tokens:  # created for this call (or holding nothing): not kept for a refusal
+            if not session.tokens or fork_from is not None:  # created for this call: not kept for a refusal
                 self.store.pop(session_id)
             raise
         try:
@@ -306,9 +300,13 @@ class WorkerCore:
 
     def _reserve(self, session_id: str, total_tokens: int) -> None:
         """Pin the session (release() unpins) with room in the byte budget for it to grow to
-        total_tokens, evicting LRU idle others. Refused (CapacityExceeded) before evicting anything
-        where the sessions in use leave no such room: evictions would not make it fit."""
+        total_tokens, evicting LRU idle others. Refused before evicting anything where the sessions in
+        use leave no such room (CapacityExceeded: evictions would not make it fit), or where the
+        whole budget could not hold it (InvalidRequest)."""
         needed = total_tokens * self._bytes_per_token
+        if needed > self.store.max_bytes:  # not even an empty worker could: no point retrying
+            raise InvalidRequest(f"{total_tokens} tokens for session {session_id!r} exceed the {self.role} worker's "
+                                 f"whole KV budget of {self.store.max_bytes} bytes")
         if needed and not self.store.fits(needed, exclude=session_id):
             raise CapacityExceeded(
                 f"{self.role} worker KV budget of {self.store.max_bytes} bytes cannot hold "

@@ -312,15 +312,37 @@ def test_a_call_that_cannot_fit_evicts_nobody() -> None:
     """A prompt over the whole budget is refused before any idle session is evicted for it (a client
     retrying it wiped every other session's cache)."""
     from specdec.contract import Commit, SamplingConfig
-    from specdec.errors import CapacityExceeded
+    from specdec.errors import InvalidRequest
     from target_worker.engine import TargetEngine, VerifyParams
     core = _budget_core("target", 100)
     engine = TargetEngine(core)
     for i in range(5):
         engine.verify(VerifyParams(f"idle{i}", Commit(0, 0, tuple(range(3, 18))), (), (), SamplingConfig()))
-    with pytest.raises(CapacityExceeded):
+    with pytest.raises(InvalidRequest):
         engine.verify(VerifyParams("huge", Commit(0, 0, (7,) * 150), (), (), SamplingConfig()))
     assert sorted(core.store._slots) == [f"idle{i}" for i in range(5)] and core.store.evictions == 0
+
+
+def test_a_refused_branch_call_leaves_no_copy_and_an_impossible_one_is_invalid() -> None:
+    """A fork's copy was checked against the budget twice; refused the second time, the copy stayed.
+    A call that not even an empty worker could hold is INVALID_ARGUMENT, not a retryable
+    RESOURCE_EXHAUSTED."""
+    from draft_worker.engine import DraftEngine, ProposeParams
+    from specdec.contract import Commit, SamplingConfig, prefix_hash, slot_key
+    from specdec.errors import CapacityExceeded, InvalidRequest
+    core = _budget_core("draft", 40)
+    engine = DraftEngine(core)
+    text = tuple(range(3, 23))
+    engine.propose(ProposeParams("s", Commit(0, 0, text), 0, SamplingConfig()))
+    held = engine.propose_steps(ProposeParams("other", Commit(0, 0, tuple(range(3, 18))), 0, SamplingConfig()))
+    next(held)  # another call in use: 15 tokens pinned
+    fork = Commit(20, prefix_hash(list(text)), (42,))
+    with pytest.raises(CapacityExceeded):  # 20 + 1 + 8 drafts next to the 15 in use
+        next(engine.propose_steps(ProposeParams("s", fork, 8, SamplingConfig(), slot=1, fork_from=0)))
+    assert slot_key("s", 1) not in core.store and core.session_tokens("s") == list(text)
+    held.close()
+    with pytest.raises(InvalidRequest, match="whole KV budget"):
+        next(engine.propose_steps(ProposeParams("big", Commit(0, 0, tuple(range(3, 50))), 0, SamplingConfig())))
 
 
 def test_the_draft_reserves_room_for_the_tokens_it_drafts() -> None:

@@ -204,6 +204,20 @@ async def test_the_next_turn_waits_for_a_cancelled_turn_to_clean_up_not_for_a_ru
     events = [event async for event in engine.generate(params)]
     assert events[-1].finish_reason is not None and time.monotonic() - started < ENDING_WAIT_S
     assert not session.lock.locked()
+    # Two requests wait for a turn that is ending: the first takes the session, and the second, by
+    # then behind a running turn, is refused like any request that arrives during one (it ran after
+    # that whole turn).
+    await session.lock.acquire()
+    session.ending = True
+    first, second = (asyncio.ensure_future(session.begin_turn(ENDING_WAIT_S)) for _ in range(2))
+    await asyncio.sleep(0.05)
+    session.lock.release()
+    await first
+    await asyncio.sleep(0.05)
+    session.lock.release()  # the first request's turn ends
+    with pytest.raises(SessionBusy):
+        await second
+    assert not session.lock.locked()
     # The whole path, over gRPC: cancel a pipelined stream with branches, ask again at once.
     spec = {"pipeline": True, "pipeline_branches": 4, "fixed_k": 4}
     for trial in range(6):
@@ -233,11 +247,12 @@ async def test_kv_budget_evicts_lru_and_rebuilds_correctly() -> None:
         fresh = await stack.generate(prompt_ids=[1] * 10 + first_turns[0] + [99, 98], max_new_tokens=20,
                                      speculation={"fixed_k": 3})
         assert list(second.token_ids) == list(fresh.token_ids)
-        # One request that can never fit the budget: RESOURCE_EXHAUSTED, not an OOM.
+        # One request that can never fit the budget, not even on an empty worker: INVALID_ARGUMENT (no
+        # point retrying it), not an OOM.
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stack.generate(prompt_ids=[5] * 150, max_new_tokens=10)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "budget" in err.value.details()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "whole KV budget" in err.value.details()
     finally:
         await stack.close()
 
@@ -478,22 +493,61 @@ async def test_fresh_worker_checks_the_budget_on_its_first_request() -> None:
     try:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stack.generate(prompt_ids=[5] * 200, max_new_tokens=4)  # 200 x 512 B > 32 KiB
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # more than the whole budget
         assert stack.target.core.store.total_bytes() == 0  # rejected before any KV was allocated
     finally:
         await stack.close()
 
 
-def test_ending_an_evicted_session_lets_its_id_start_afresh() -> None:
+async def test_ending_an_evicted_session_lets_its_id_start_afresh(stack) -> None:
     """The client was told its session was evicted, ended it, and started a new conversation with
     the same id: NOT_FOUND 'was evicted', again."""
-    from orchestrator.sessions import OrchestratorSessions
     from specdec.errors import SessionNotFound
-    sessions = OrchestratorSessions(1, ttl_s=600.0, on_evict=lambda session: None)
-    sessions.get_or_create("a", False, SessionStats)
-    sessions.get_or_create("b", False, SessionStats)  # evicts a
-    sessions.get_or_create("c", False, SessionStats)  # evicts b
+    engine = stack.orch.engine
+    sessions = engine.sessions
+    for session_id in ("a", "b"):
+        sessions.get_or_create(session_id, False, SessionStats)
+        sessions._evict(session_id, "was evicted (test)")
     with pytest.raises(SessionNotFound, match="evicted"):
         sessions.get_or_create("a", False, SessionStats)
-    sessions.remove("b")  # what EndSession("b") does, held or not
+    assert not await engine.end_session("b")  # EndSession on the evicted id: nothing held any more
     assert sessions.get_or_create("b", False, SessionStats).tokens == []
+
+
+async def test_the_workers_get_one_startup_timeout_between_them() -> None:
+    """The target and then the draft each had --connect-timeout-s of their own: up to twice the
+    timeout that the k8s startup probe is sized on, so the kubelet killed the orchestrator before
+    its own error named the missing worker."""
+    from orchestrator.app import wait_for_workers
+    from specdec.errors import WorkerUnavailable
+
+    class Worker:
+        def __init__(self, ready_after_s: float) -> None:
+            self.ready_at = time.monotonic() + ready_after_s
+
+        async def describe(self, timeout_s: float) -> str:
+            if time.monotonic() < self.ready_at:
+                raise WorkerUnavailable("loading")
+            return "info"
+
+    started = time.monotonic()
+    with pytest.raises(WorkerUnavailable):
+        await wait_for_workers(Worker(0.6), Worker(60.0), timeout_s=1.0)
+    assert time.monotonic() - started < 1.8  # (was 1.6 + 0.5 for the draft's own second)
+    assert await wait_for_workers(Worker(0.0), Worker(0.0), timeout_s=1.0) == ("info", "info")
+
+
+def test_orchestrator_flags_are_checked_before_it_waits_for_the_workers() -> None:
+    """--max-concurrent 0 or a NaN rate failed only after the workers answered (up to 900 s in
+    k8s); --connect-timeout-s nan retried for ever."""
+    import argparse
+
+    from orchestrator.app import add_args, config_from_args
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    base = ["--draft", "d:1", "--target", "t:1"]
+    assert config_from_args(parser.parse_args(base)).connect_timeout_s == 120.0
+    for flags in (["--max-concurrent", "0"], ["--rate-per-s", "nan"], ["--rate-per-s", "-1"],
+                  ["--max-queue", "-1"], ["--connect-timeout-s", "nan"], ["--connect-timeout-s", "0"]):
+        with pytest.raises(SystemExit, match="must be"):
+            config_from_args(parser.parse_args(base + flags))
