@@ -40,9 +40,10 @@ def slow_solo_forwards(model: torch.nn.Module, ms: float):
 
 @contextlib.contextmanager
 def hold_first_solo_forward(model: torch.nn.Module, until: Callable[[], bool], timeout_s: float = 20.0):
-    """The first forward of one call alone waits (up to timeout_s) until `until()` holds: calls sent
-    meanwhile are all in the scheduler when it ends, and the next forward selects among all of them,
-    whatever the order and timing of their arrival."""
+    """The first forward of one call alone (or the first through `model`, a submodule that every
+    forward runs) waits (up to timeout_s) until `until()` holds: calls sent meanwhile are all in the
+    scheduler when it ends, and the next forward selects among all of them, whatever the order and
+    timing of their arrival."""
     held = threading.Event()
 
     def hold(module, args) -> None:
@@ -184,7 +185,10 @@ async def test_concurrent_streams_are_token_identical_to_each_alone(speculation:
             # Prompts of 12 to 30 tokens verify 3 drafts in a decode-sized step (<= 33 rows); those of
             # 39 to 75 do not. Holding the first forward until the other 7 calls wait puts both kinds
             # in the next forward: the long ones are chunked between the short ones' decode steps.
-            meet = hold_first_solo_forward(stack.target.core.model, lambda: target.waiting_calls >= len(prompts) - 1)
+            # (Held at the embedding, which ragged forwards run too: a first forward that already
+            # batched two calls went by unheld, and the calls then trickled in without meeting.)
+            meet = hold_first_solo_forward(stack.target.core.model.model.embed_tokens,
+                                           lambda: target.waiting_calls + len(target._active) >= len(prompts))
         with meet:
             replies = await asyncio.gather(*(stack.generate(prompt_ids=p, max_new_tokens=24,
                                                             speculation=speculation) for p in prompts))
