@@ -17,9 +17,7 @@ from specdec.errors import CapacityExceeded
 
 class Admission:
     def __init__(self, max_concurrent: int, max_queue: int, rate_per_s: float = 0.0) -> None:
-        if max_concurrent < 1 or max_queue < 0 or not (math.isfinite(rate_per_s) and rate_per_s >= 0):
-            raise ValueError(f"admission needs max_concurrent >= 1, max_queue >= 0 and a finite rate >= 0 "
-                             f"(0: off), got {max_concurrent}, {max_queue} and {rate_per_s}")
+        self.check_limits(max_concurrent, max_queue, rate_per_s)
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self._semaphore = asyncio.Semaphore(max_concurrent)
@@ -33,6 +31,13 @@ class Admission:
         self.waiting = 0
         self.rejected = 0
         self.mean_request_s = 1.0  # decayed mean time a request holds its slot (a guess until one ends)
+
+    @staticmethod
+    def check_limits(max_concurrent: int, max_queue: int, rate_per_s: float) -> None:
+        """ValueError unless the limits can admit anything (the CLI checks them before startup)."""
+        if max_concurrent < 1 or max_queue < 0 or not (math.isfinite(rate_per_s) and rate_per_s >= 0):
+            raise ValueError(f"admission limits must be max_concurrent >= 1, max_queue >= 0 and a finite "
+                             f"rate >= 0 (0: off), got {max_concurrent}, {max_queue} and {rate_per_s}")
 
     def retry_after_ms(self) -> int:
         """About when a place in the queue frees: one of max_concurrent requests ends every mean

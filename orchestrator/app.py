@@ -208,9 +208,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
     """The configuration from the flags, checked before anything waits for the workers."""
-    if args.max_concurrent < 1 or args.max_queue < 0 or not (math.isfinite(args.rate_per_s) and args.rate_per_s >= 0):
-        raise SystemExit(f"--max-concurrent must be >= 1, --max-queue >= 0 and --rate-per-s a finite rate >= 0 "
-                         f"(0: off), got {args.max_concurrent}, {args.max_queue} and {args.rate_per_s}")
+    try:
+        Admission.check_limits(args.max_concurrent, args.max_queue, args.rate_per_s)
+    except ValueError as exc:
+        raise SystemExit(f"--max-concurrent, --max-queue, --rate-per-s: {exc}") from None
     if not (math.isfinite(args.connect_timeout_s) and args.connect_timeout_s > 0):
         raise SystemExit(f"--connect-timeout-s must be a number of seconds > 0, got {args.connect_timeout_s}")
     spec = SpeculationConfig.from_toml(args.config) if args.config else SpeculationConfig()

@@ -16,6 +16,7 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from specdec.errors import DeadlineExceeded, WorkerUnavailable
@@ -70,6 +71,15 @@ class HashRing:
         return self._owners[start % len(self._points)]
 
 
+@dataclass
+class _FailingReplica:
+    """A replica whose calls fail: since when (this streak), the latest failure, and its pass-over."""
+    since: float
+    last: float
+    cooldown: float = 0.0  # length of its latest pass-over in this streak (0: none yet)
+    until: float = 0.0     # passed over until then
+
+
 class ReplicaEjection:
     """Which replicas to pass over (pure): one whose calls have failed UNAVAILABLE for EJECT_AFTER_S
     with no success between is passed over for a cool-down, doubled each time it fails again after
@@ -83,36 +93,30 @@ class ReplicaEjection:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._failing_since: dict[str, float] = {}
-        self._last_failure: dict[str, float] = {}
-        self._cooldown: dict[str, float] = {}
-        self._until: dict[str, float] = {}
+        self._failing: dict[str, _FailingReplica] = {}
 
     def failed(self, node: str) -> None:
         now = self._clock()
-        quiet_since = max(self._last_failure.get(node, now), self._until.get(node, 0.0))
-        if now - quiet_since > self.STREAK_GAP_S:  # a new blip, not the outage going on
-            for entries in (self._failing_since, self._cooldown, self._until):
-                entries.pop(node, None)
-        self._last_failure[node] = now
-        since = self._failing_since.setdefault(node, now)
-        if now - since >= self.EJECT_AFTER_S and not self.passed_over(node):
-            cooldown = min(self.MAX_COOLDOWN_S, 2 * self._cooldown[node] if node in self._cooldown else self.COOLDOWN_S)
-            self._cooldown[node], self._until[node] = cooldown, now + cooldown
+        state = self._failing.get(node)
+        if state is None or now - max(state.last, state.until) > self.STREAK_GAP_S:  # a new blip
+            state = self._failing[node] = _FailingReplica(since=now, last=now)
+        state.last = now
+        if now - state.since >= self.EJECT_AFTER_S and not self.passed_over(node):
+            state.cooldown = min(self.MAX_COOLDOWN_S, 2 * state.cooldown if state.cooldown else self.COOLDOWN_S)
+            state.until = now + state.cooldown
             log.warning("replica %s has failed for %.1f s: its sessions go to other replicas for %.0f s",
-                        node, now - since, cooldown)
+                        node, now - state.since, state.cooldown)
 
     def succeeded(self, node: str) -> None:
-        if self._failing_since.pop(node, None) is not None:
-            for entries in (self._last_failure, self._cooldown, self._until):
-                entries.pop(node, None)
+        self._failing.pop(node, None)
 
     def passed_over(self, node: str) -> bool:
-        return self._clock() < self._until.get(node, 0.0)
+        state = self._failing.get(node)
+        return state is not None and self._clock() < state.until
 
     def forget(self, node: str) -> None:
-        for entries in (self._failing_since, self._last_failure, self._cooldown, self._until):
-            entries.pop(node, None)
+        """The replica left discovery."""
+        self._failing.pop(node, None)
 
 
 def parse_targets(spec: str) -> tuple[list[str], str | None]:

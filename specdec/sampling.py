@@ -4,8 +4,8 @@ Both workers warp with the same function (temperature -> top-k -> top-p), and th
 exactly the sparse q it sends. Every random decision goes through a `Randomness` object: in service it
 is `SeededRandomness`, counter-based uniforms keyed by (seed, absolute position, stream; a draft draw
 also by its whole prefix), so results do not depend on which replica ran a call or how often a cache
-was rebuilt and a request seed reproduces the whole generation. The exact-enumeration tests swap in a source that branches on every decision,
-so they run this very code, not a copy of it.
+was rebuilt and a request seed reproduces the whole generation. The exact-enumeration tests swap in
+a source that branches on every decision, so they run this very code, not a copy of it.
 
 Probabilities that drive decisions are normalised in float64 (q as it travels in float32, p as warped
 in float32), so the draft's sampling, the acceptance test and the residual all use one distribution
@@ -227,8 +227,9 @@ def draft_steps(first_logits: torch.Tensor, k: int, cfg: SamplingConfig, first_p
     context: the key of the tokens before first_position (contract.extend_context_key chained over
     them: WorkerSession.context_key), extended by each drafted token, so that each draw is keyed by
     its whole prefix. Keyed by position alone, a round after a rejection would draw its drafts with
-    the uniforms of the drafts it threw away, on which the k policy may have depended (an early stop's drafted count): the drafted
-    token was then no longer distributed as q (docs/correctness.md, "Randomness").
+    the uniforms of the drafts it threw away, on which the k policy may have depended (an early
+    stop's drafted count): the drafted token was then no longer distributed as q
+    (docs/correctness.md, "Randomness").
     """
     draft = Draft()
     logits = first_logits

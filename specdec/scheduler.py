@@ -48,7 +48,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -66,6 +66,13 @@ Steps = Generator[Any, Any, Any]
 DECODE_STEP_ROWS = 33
 # The fewest prompt rows a shared forward carries while prompts wait: below this a prompt crawls.
 MIN_PROMPT_CHUNK = 16
+
+
+_DROPPED, _ADMITTED, _WAITS = "dropped", "admitted", "waits"  # where admission places a waiting call
+
+
+def _no_steps() -> Steps:
+    raise AssertionError("a call only counted for the queue is never run")
 
 
 class QueueFull(CapacityExceeded):
@@ -274,24 +281,28 @@ class BatchScheduler:
 
     def _queued(self, joining: str | None = None) -> int:
         """Calls that the next forward cannot take (lock held), with a call of session `joining`
-        arriving: those beyond the free slots, or behind a call of their own session, as _admit
-        places them. An EndSession takes no slot; a call that arrived during a forward and joins the
-        next one is not queued."""
-        free = self.limits.max_batch - _slots_taken(self._active)
+        arriving: those _placements leaves waiting. An EndSession takes no slot; a call that
+        arrived during a forward and joins the next one is not queued."""
+        arriving = [] if joining is None else [_Job(joining, _no_steps, None, self._clock())]
+        return sum(place == _WAITS and not job.ends_session
+                   for job, place in self._placements([*self._waiting, *arriving]))
+
+    def _placements(self, jobs: Iterable[_Job]) -> Iterator[tuple[_Job, str]]:
+        """Where each of these waiting calls goes at the next admission, in arrival order (lock
+        held): dropped (cancelled, or past its deadline), admitted (first come first served into the
+        free slots, one active call per session; an EndSession runs no forward and takes no slot) or
+        left waiting (its session's later calls, an EndSession too, wait behind it)."""
         busy = {job.session_id for job in self._active}
-        arriving = [] if joining is None else [(joining, False)]
+        taken = _slots_taken(self._active)
         now = self._clock()
-        queued = 0
-        for session_id, ends_session in [(j.session_id, j.ends_session) for j in self._waiting  # not dropped
-                                         if not j.future.cancelled() and (j.deadline is None or now < j.deadline)
-                                         ] + arriving:
-            if not ends_session:
-                if session_id in busy or free <= 0:
-                    queued += 1
-                else:
-                    free -= 1
-            busy.add(session_id)
-        return queued
+        for job in jobs:
+            if job.future.cancelled() or (job.deadline is not None and now >= job.deadline):
+                yield job, _DROPPED
+                continue
+            admitted = (job.ends_session or taken < self.limits.max_batch) and job.session_id not in busy
+            taken += admitted and not job.ends_session
+            busy.add(job.session_id)
+            yield job, _ADMITTED if admitted else _WAITS
 
     def close(self, timeout_s: float = 5.0) -> None:
         with self._cond:
@@ -376,33 +387,24 @@ class BatchScheduler:
         return gaps[len(gaps) // 2] if gaps else 0.0
 
     def _admit(self) -> list[_Job]:
-        """First come first served into the free slots; one active call per session (lock held)."""
+        """The waiting calls placed (_placements) into the batch, or dropped (lock held)."""
         admitted: list[_Job] = []
-        busy = {j.session_id for j in self._active}
         kept: collections.deque[_Job] = collections.deque()
-        now = self._clock()
-        taken = _slots_taken(self._active)
-        while self._waiting:
-            job = self._waiting.popleft()
-            if job.future.cancelled() or (job.deadline is not None and now >= job.deadline):
-                admitted.append(job)  # _start drops it (cancelled) or fails it (deadline); frees its queue place
-            # An EndSession runs no forward and leaves at once: it never takes a session's slot (it
-            # did, and a stream whose request ended pushed a decoding session out of the next forward).
-            elif (job.ends_session or taken < self.limits.max_batch) and job.session_id not in busy:
-                taken += 0 if job.ends_session else 1
-                self._active.append(job)
-                admitted.append(job)
-                busy.add(job.session_id)
-                ended = self._returns.get(job.session_id)
-                if ended is not None and not job.ends_session:  # learn how soon this session comes back
-                    gap = max(0.0, job.submitted - ended.ended)
-                    if gap > 0:  # (0: it was queued behind its own previous call, not a return)
-                        self._recent_gaps.append(gap)
-                    self._returns[job.session_id] = ended._replace(
-                        gap=gap if ended.gap <= 0 else 0.7 * ended.gap + 0.3 * gap)
-            else:
+        for job, place in self._placements(list(self._waiting)):
+            if place == _WAITS:
                 kept.append(job)
-                busy.add(job.session_id)  # its session's later calls (an EndSession too) wait behind it
+                continue
+            admitted.append(job)  # a dropped one: _start drops it (cancelled) or fails it (deadline)
+            if place == _DROPPED:
+                continue
+            self._active.append(job)
+            ended = self._returns.get(job.session_id)
+            if ended is not None and not job.ends_session:  # learn how soon this session comes back
+                gap = max(0.0, job.submitted - ended.ended)
+                if gap > 0:  # (0: it was queued behind its own previous call, not a return)
+                    self._recent_gaps.append(gap)
+                self._returns[job.session_id] = ended._replace(
+                    gap=gap if ended.gap <= 0 else 0.7 * ended.gap + 0.3 * gap)
         self._waiting = kept
         return admitted
 

@@ -184,13 +184,16 @@ def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve(), 
                        prefill_itl_factor=itl_factor, itl_gap_relief=role == "target")
 
 
-def store_limits(args: argparse.Namespace) -> StoreLimits:
-    """The session store's limits from the worker flags (checked before the model loads)."""
+def check_worker_flags(args: argparse.Namespace) -> None:
+    """Flags that no worker could start with, refused before the model loads (minutes, for a real one)."""
     if not args.session_ttl_s > 0 or not args.cache_budget_mb > 0 or args.max_sessions < 1:
         raise SystemExit("--session-ttl-s and --cache-budget-mb must be > 0 and --max-sessions >= 1, got "
                          f"{args.session_ttl_s}, {args.cache_budget_mb} and {args.max_sessions}")
     if not math.isfinite(args.calibration_s):
         raise SystemExit(f"--calibration-s must be a number of seconds (0 skips), got {args.calibration_s}")
+
+
+def store_limits(args: argparse.Namespace) -> StoreLimits:
     return StoreLimits(max_bytes=int(args.cache_budget_mb * 1024 * 1024), ttl_s=args.session_ttl_s,
                        max_sessions=args.max_sessions)
 
@@ -199,13 +202,13 @@ async def serve_worker(args: argparse.Namespace, role: str,
                        make_servicer: Callable[[WorkerCore, BatchLimits], WorkerServicerBase],
                        register: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
     from specdec.models import load_model, resolve_device, resolve_dtype, set_torch_threads
-    limits = store_limits(args)
+    check_worker_flags(args)
     set_torch_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, role, device)
     log.info("loading %s model %s (%s on %s)", role, args.model, dtype, device)
     loaded = await asyncio.to_thread(load_model, args.model, dtype, str(device))
-    core = WorkerCore(loaded, role, limits)
+    core = WorkerCore(loaded, role, store_limits(args))
     from specdec.calibration import calibrate
     await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s)
     servicer = make_servicer(core, batch_limits(args, core.cost_curve, role))

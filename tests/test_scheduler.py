@@ -973,11 +973,11 @@ def test_session_store_flags_are_checked_before_the_model_loads() -> None:
     """--session-ttl-s 0 made every call fail (the new session expired before its pin: INTERNAL)."""
     import argparse
 
-    from specdec.worker_server import add_worker_args, store_limits
+    from specdec.worker_server import add_worker_args, check_worker_flags, store_limits
     parser = argparse.ArgumentParser()
     add_worker_args(parser, "tiny:seed=0")
     assert store_limits(parser.parse_args([])).ttl_s == 600.0
     for flags in (["--session-ttl-s", "0"], ["--cache-budget-mb", "-1"], ["--max-sessions", "0"],
                   ["--calibration-s", "nan"]):
         with pytest.raises(SystemExit, match="must be"):
-            store_limits(parser.parse_args(flags))  # (checked with the store's, before loading)
+            check_worker_flags(parser.parse_args(flags))
