@@ -76,8 +76,9 @@ class GenerationEngine:
             raise InvalidRequest("exactly one of prompt, prompt_ids or messages is required")
         if params.prompt is not None and not params.prompt:
             raise InvalidRequest("prompt is empty")
-        if params.prompt is not None and len(params.prompt) > self.limits.max_prompt_chars:
-            raise InvalidRequest(f"prompt has {len(params.prompt)} characters; the limit is {self.limits.max_prompt_chars}")
+        chars = len(params.prompt or "") + sum(len(content) for _, content in params.messages or ())  # messages too
+        if chars > self.limits.max_prompt_chars:
+            raise InvalidRequest(f"prompt has {chars} characters; the limit is {self.limits.max_prompt_chars}")
         if params.prompt_ids is not None:
             if not params.prompt_ids:
                 raise InvalidRequest("prompt_ids is empty")

@@ -4,6 +4,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 INCOMPLETE = "\ufffd"  # what a decoder yields for the first bytes of a character split across tokens
+# A UTF-8 character has at most 4 bytes, and a token at least one: a character the last tokens leave
+# incomplete began within the last 4. Further back, a U+FFFD is final (the character itself, or bytes
+# that are no character).
+CHARACTER_TOKENS = 4
+# Tokens that decode to nothing (skipped special ones) are kept as context behind the text before
+# them, at most this many, so that a long run of them cannot make every decode long.
+EMPTY_CONTEXT_TOKENS = 64
 
 
 class TextAssembler:
@@ -70,11 +77,32 @@ class TextAssembler:
         context = self._decode(self._ids[self._context:self._read])
         new = self._decode(self._ids[self._context:])[len(context):]
         if final or not new.endswith(INCOMPLETE):
-            self._text += new
-            self._pending = ""
-            self._context, self._read = self._read, len(self._ids)
-        else:
-            self._pending = new.rstrip(INCOMPLETE)
+            self._commit(new, len(self._ids))
+            return
+        settled = len(self._ids) - CHARACTER_TOKENS
+        if settled > self._read:
+            # Still U+FFFD after more tokens than a character spans (a run of U+FFFD characters, or of
+            # invalid bytes): commit all but the last few, else nothing would stream and every token
+            # would decode the whole run again. Only text that each later token left as it was: a
+            # byte-fallback decoder shows a whole run of byte tokens as U+FFFD while one is incomplete.
+            head = self._decode(self._ids[self._context:settled])[len(context):]
+            if head and new.startswith(head) and all(
+                    self._decode(self._ids[self._context:end])[len(context):].startswith(head)
+                    for end in range(settled + 1, len(self._ids))):
+                self._commit(head, settled)
+                new = new[len(head):]
+        self._pending = new.rstrip(INCOMPLETE)
+
+    def _commit(self, text: str, upto: int) -> None:
+        """ids[_read:upto] decode to text for good."""
+        self._text += text
+        self._pending = ""
+        # The committed tokens are the next decode's context, unless they decoded to nothing: a
+        # decoder that drops a first token's leading space (SentencePiece) would then drop the next
+        # token's, so the context stays on the text before them.
+        if text or self._read - self._context >= EMPTY_CONTEXT_TOKENS:
+            self._context = self._read
+        self._read = upto
 
     def _visible_len(self) -> int:
         return len(self._text) + len(self._pending)
@@ -106,8 +134,12 @@ class TextAssembler:
         tail = self._visible(max(0, end - self._longest_stop), end)
         held = 0
         for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(tail)), held, -1):
-                if tail.endswith(stop[:n]):
-                    held = n
+            # Only where the stop string's first character occurs (slicing every length was
+            # quadratic in the stop string's length, every round); the earliest is the longest.
+            at = tail.find(stop[0], max(0, len(tail) - len(stop) + 1))
+            while 0 <= at < len(tail) - held:
+                if stop.startswith(tail[at:]):
+                    held = len(tail) - at
                     break
+                at = tail.find(stop[0], at + 1)
         return held

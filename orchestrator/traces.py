@@ -118,6 +118,9 @@ def load_traces(path: str | Path) -> list[RoundTrace]:
                 try:
                     traces.append(RoundTrace(**json.loads(line)))
                 except (TypeError, ValueError) as exc:
+                    if not line.endswith("\n"):  # the last line, cut by a kill mid-write
+                        log.warning("%s:%d: skipping a partly written last line", path, n)
+                        break
                     raise ValueError(f"{path}:{n}: not a round trace: {exc}") from exc
         except EOFError:  # a gzip stream cut short: keep its complete lines
             log.warning("%s ends early: read %d rounds", path, len(traces))

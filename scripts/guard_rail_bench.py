@@ -104,7 +104,9 @@ async def run_scenario(scenario: Scenario, tokens: int, reps: int, calibration_s
                     results[system].append(reply.stats.new_tokens / (time.perf_counter() - start))
                     if system == "default policy":
                         ks = list(reply.stats.k_per_round)
-                        first_zero.append(ks.index(0) if 0 in ks else -1)
+                        # The last round's k = 0 can be the token budget's, not the policy's.
+                        chosen = ks[:-1]
+                        first_zero.append(chosen.index(0) if 0 in chosen else -1)
                         drafted_share.append(sum(1 for k in ks if k) / len(ks))
     finally:
         for backend in backends:
@@ -122,7 +124,7 @@ async def run_scenario(scenario: Scenario, tokens: int, reps: int, calibration_s
 async def main_async(args: argparse.Namespace) -> None:
     machine = describe_machine()
     rows = [await run_scenario(s, args.tokens, args.reps, args.calibration_s) for s in SCENARIOS]
-    header = (f"`python scripts/guard_rail_bench.py --tokens {args.tokens} --reps {args.reps}` — "
+    header = (f"`python scripts/guard_rail_bench.py {' '.join(sys.argv[1:])}` — "
               f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC; {machine['cpu']} ({machine['cpus']} cpus; "
               f"flags {machine['flags']}); {machine['gpu']}; torch {machine['torch']}; target forward "
               f"+{TARGET_FORWARD_MS:.0f} ms (tiny model + sleep)")

@@ -9,8 +9,12 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-.venv/bin/python -m pip install --quiet "torch==2.13.0"
+# torch first, pinned, and the CPU build: PyPI's torch==2.13.0 for Linux x86_64 is the CUDA build (GBs
+# of CUDA libraries). The PyTorch CPU index is an extra index, so a mirror or find-links in pip's own
+# configuration that serves 2.13.0+cpu works too where that index cannot be reached (pip then warns
+# and goes on); TORCH_INDEX_URL="" uses pip's configuration alone, another URL another build.
+TORCH_INDEX_URL="${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}"
+.venv/bin/python -m pip install --quiet ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[worker,test]"
 .venv/bin/python scripts/gen_protos.py
 if [ "${SPECDEC_SKIP_MODELS:-0}" != "1" ]; then

@@ -123,13 +123,21 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.is_quantized = False
+    import shutil
     tmp_dir = out_dir.with_name(out_dir.name + ".partial")
-    if tmp_dir.exists():
-        import shutil
-        shutil.rmtree(tmp_dir)
+    old_dir = out_dir.with_name(out_dir.name + ".old")
+    for leftover in (tmp_dir, old_dir):
+        if leftover.exists():
+            shutil.rmtree(leftover)
     model.save_pretrained(str(tmp_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(tmp_dir))
+    # A re-conversion (--force, or a broken earlier one) replaces the old directory; rename refuses
+    # a non-empty target, so the old one steps aside first and goes once the new one is in place.
+    if out_dir.exists():
+        out_dir.rename(old_dir)
     tmp_dir.rename(out_dir)
+    if old_dir.exists():
+        shutil.rmtree(old_dir)
 
 
 def fetch(name: str, force: bool = False) -> Path:

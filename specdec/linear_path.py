@@ -51,9 +51,10 @@ COLD_BYTES = 192 << 20
 def weight_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T computed as (W @ x.T).T: the GEMM sees the weight as its left, large operand."""
     rows = x.reshape(-1, x.shape[-1])
-    y = torch.matmul(weight, rows.T).T
-    if bias is not None:
-        y = y + bias
+    if bias is None:
+        y = torch.matmul(weight, rows.T).T
+    else:  # the bias inside the GEMM, rounded once as in F.linear (an add after rounds bf16 twice)
+        y = torch.addmm(bias.unsqueeze(1), weight, rows.T).T
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -100,7 +101,10 @@ class ShapePlan:
 
 
 class PathLinear(torch.nn.Module):
-    """nn.Linear computed the way its shape's plan says (a packed plan drops the dense weight)."""
+    """nn.Linear computed the way its shape's plan says (a packed plan drops the dense weight).
+
+    For inference on a loaded model: a packed one has no dense weight to move, cast or save, so
+    `.to()` / `.float()` refuse (a plain attribute would stay behind on its old device and dtype)."""
 
     def __init__(self, linear: torch.nn.Linear, plan: ShapePlan) -> None:
         super().__init__()
@@ -113,6 +117,11 @@ class PathLinear(torch.nn.Module):
             self.register_parameter("weight", None)
         else:
             self.weight = linear.weight
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        if self.packed is not None:
+            raise RuntimeError("a packed PathLinear cannot be moved or cast: do that before linear_path.apply")
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -112,7 +112,8 @@ class RaggedForward:
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         hidden = self.inner.norm(hidden)
         # The LM head (a [V, H] GEMM) only for the rows each session uses.
-        keep = [e - (item.logits_rows or (e - s)) for item, s, e in zip(items, starts, starts[1:])]
+        # At most the item's own rows: more would hand it the previous item's logits.
+        keep = [e - min(item.logits_rows or (e - s), e - s) for item, s, e in zip(items, starts, starts[1:])]
         rows = torch.cat([hidden[0, k:e] for k, e in zip(keep, starts[1:])])
         logits = self.model.lm_head(rows.unsqueeze(0))[0].float()
         out, offset = [], 0

@@ -95,6 +95,16 @@ def test_ragged_sessions_match_their_own_forwards() -> None:
         assert caches[i].get_seq_length() == sum(len(c) for c in history)
 
 
+def test_asking_for_more_logit_rows_than_tokens_gives_the_items_own_rows() -> None:
+    # As the model's own logits_to_keep: clamped to the item, never the previous item's rows.
+    model = load_model("tiny:seed=0").model
+    out = RaggedForward(model)([RaggedItem(new_cache(model), [5, 6, 7, 8], 1),
+                                RaggedItem(new_cache(model), [9, 10], logits_rows=3)])
+    alone = hf_logits(model, [[9, 10]])[0]
+    assert out[1].shape == alone.shape
+    torch.testing.assert_close(out[1], alone, rtol=1e-4, atol=1e-4)
+
+
 def test_unsupported_architectures_run_one_forward_per_step() -> None:
     loaded = load_model("tiny:seed=0")
     core = WorkerCore(loaded, "target")

@@ -13,6 +13,9 @@ def test_generated_code_is_in_sync(tmp_path: Path) -> None:
     gen_protos.generate(tmp_path)
     generated = sorted(p.relative_to(tmp_path) for p in (tmp_path / "specdec" / "v1").glob("*.py*"))
     assert generated, "protoc produced nothing"
+    committed_set = sorted(p.relative_to(ROOT) for p in (ROOT / "specdec" / "v1").glob("*_pb2*.py*"))
+    assert committed_set == [rel for rel in generated if "_pb2" in rel.name], \
+        "generated files without a .proto: run `make protos`"
     for rel in generated:
         committed = ROOT / rel
         assert committed.exists(), f"{rel} is missing: run `make protos`"

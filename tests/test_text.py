@@ -135,3 +135,70 @@ def test_the_hf_tokenizer_decodes_without_cleaning_up_spaces() -> None:
     tok = Recording()
     HFTokenizer(tok, [0]).decode([1, 2])
     assert tok.kwargs == {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
+
+
+def test_a_skipped_special_token_keeps_the_next_tokens_space() -> None:
+    """A special token decodes to nothing: as the next token's only context, a SentencePiece-style
+    decoder dropped that token's leading space ("Helloworld"), and the stop string " world" was missed."""
+    vocab = ["▁Hello", "", "▁world", ".", "▁how"]  # id 1: a skipped special token
+    decode = sentencepiece_decode(vocab)
+    ids = [0, 1, 2, 3, 4]
+    for stop in ([], [" world"], [". how"]):
+        for size in (1, 2, 5):
+            assert stream(TextAssembler(decode, stop), ids, [size] * 5) == whole_output_reference(ids, stop, decode)
+    assert stream(TextAssembler(decode, []), ids, [1] * 5)[0] == "Hello world. how"
+
+
+def test_a_run_of_replacement_characters_streams_and_decodes_a_bounded_context() -> None:
+    """U+FFFD as a character (or invalid bytes) is final once more tokens follow than a character
+    spans: it was held as if incomplete, so nothing streamed and each token decoded the whole run."""
+    longest: list[int] = []
+    ids = tok.encode("\ufffd" * 300) + [0xFF] * 300 + tok.encode("ok")
+    asm = TextAssembler(lambda part: longest.append(len(part)) or tok.decode(part), ["STOP"])
+    deltas = [asm.add([token])[0] for token in ids]
+    assert len("".join(deltas)) >= 590  # all but the last few characters before the end
+    assert "".join(deltas) + asm.flush() == tok.decode(ids)
+    assert max(longest) <= 16
+
+
+def test_the_held_back_stop_prefix_is_the_longest_suffix_that_begins_a_stop_string() -> None:
+    rng = random.Random(3)
+    for _ in range(2000):
+        stop = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 10)))
+        expected = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        asm = TextAssembler(tok.decode, stop)
+        asm._text = text  # the held-back rule alone, on text no stop string is in
+        assert asm._stop_prefix_len() == expected, (stop, text)
+
+
+def byte_fallback_decode(ids: list[int]) -> str:
+    """Like SentencePiece's byte fallback: ids < 256 are byte tokens, 256 + i is the character chr(i).
+    A run of byte tokens that is not valid UTF-8 as a whole decodes to one U+FFFD per byte, so the
+    characters already complete in it turn to U+FFFD while a later one is incomplete."""
+    out, run = [], bytearray()
+    for i in [*ids, None]:
+        if i is not None and i < 256:
+            run.append(i)
+            continue
+        try:
+            out.append(run.decode("utf-8"))
+        except UnicodeDecodeError:
+            out.append("\ufffd" * len(run))
+        run.clear()
+        if i is not None:
+            out.append(chr(i - 256))
+    return "".join(out)
+
+
+def test_text_held_for_an_incomplete_character_is_not_committed_from_a_byte_run_shown_as_invalid() -> None:
+    rng = random.Random(5)
+    for _ in range(400):
+        ids: list[int] = []
+        for _ in range(rng.randint(1, 12)):
+            char = rng.choice("ab\u0442\u0440\ufb01\U0001f600")
+            ids += list(char.encode()) if rng.random() < 0.7 else [256 + ord(char)]
+        stop = rng.sample(["b\ufb01", "\u0442\u0440", "\U0001f600a"], rng.randint(0, 2))
+        chunks = [rng.randint(1, 5) for _ in ids]
+        text, kept = stream(TextAssembler(byte_fallback_decode, stop), ids, chunks)
+        assert (text, kept) == whole_output_reference(ids, stop, byte_fallback_decode), (ids, stop, chunks)

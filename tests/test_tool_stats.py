@@ -1,5 +1,6 @@
 """The benchmark tools' statistics, without models or services: loadtest's percentile, the load
-sweep's prompt mix per level and its report, the bench's per-round (k, accepted) pairing."""
+sweep's prompt mix per level and its report, the bench's per-round (k, accepted) pairing, reading
+trace files, the simulator's timing fit and `specdec tune`'s candidates."""
 from __future__ import annotations
 
 import json
@@ -150,3 +151,41 @@ def test_round_outcomes_pair_each_k_with_its_own_accepted_count() -> None:
     assert summarize([capped], "greedy")["a"] == pytest.approx(2 / 3)  # 2 accepted, 1 rejection (was 0.50)
     with pytest.raises(ValueError, match="accepted counts"):  # an orchestrator that does not send them
         _round_outcomes(_run("service fixed k=8", [8, 2], [1, 1], 2))
+
+
+# ----------------------------------------------------------------------------- traces, simulator, tune
+
+def _trace(round_: int, k: int, drafted: int, draft_ms: float, verify_ms: float, round_ms: float) -> Any:
+    from orchestrator.traces import RoundTrace
+    return RoundTrace("s", round_, round_, "fixed", k, drafted, min(drafted, 1), [0.9] * drafted, draft_ms,
+                      verify_ms, round_ms, 1, 1, True, False, draft_confidences=[0.9] * max(drafted, 1))
+
+
+def test_a_trace_file_cut_mid_line_keeps_its_complete_lines(tmp_path: Path) -> None:
+    from orchestrator.traces import load_traces
+    lines = [json.dumps(asdict(_trace(r, 2, 2, 2.0, 5.0, 8.0))) for r in range(1, 4)]
+    killed = tmp_path / "killed.jsonl"
+    killed.write_text("\n".join(lines) + "\n" + lines[0][:37])  # killed while writing the 4th line
+    assert [t.round for t in load_traces(killed)] == [1, 2, 3]
+    broken = tmp_path / "broken.jsonl"  # a bad complete line is still an error, not skipped
+    broken.write_text(lines[0] + "\n" + lines[1][:37] + "\n" + lines[2] + "\n")
+    with pytest.raises(ValueError, match=":2: not a round trace"):
+        load_traces(broken)
+
+
+def test_the_simulators_call_overhead_counts_the_draft_call_of_an_early_stopped_round() -> None:
+    from specdec.tools import simulator
+    per_call_ms = 5.0
+    # k = 3 asked, the early stop left no drafts: the draft was still called (both RPCs' overhead).
+    traces = [_trace(r, 3, 0, 4.0, 20.0, 24.0 + 2 * per_call_ms) for r in range(1, 31)]
+    traces += [_trace(r, 3, 3, 12.0, 23.0, 35.0 + 2 * per_call_ms) for r in range(31, 41)]
+    traces += [_trace(r, 0, 0, 0.0, 20.0, 20.0 + per_call_ms) for r in range(41, 51)]  # target-only: one call
+    assert simulator.build(traces).timing.rpc_overhead_ms == pytest.approx(per_call_ms)
+
+
+def test_tune_tries_fixed_k_only_where_the_orchestrator_would_run_it() -> None:
+    from specdec.tools import tune
+    fixed = [c.config for c in tune.grid(2, 6, [0.0, 0.3]) if c.config.policy == "fixed"]
+    # The orchestrator clamps a fixed k into [min_k, max_k]: a fixed k = 0 under min_k = 2 runs k = 2.
+    assert fixed and all(2 <= c.fixed_k <= 6 and c.min_k == 2 for c in fixed)
+    assert tune.target_only_candidate(6).config.validate().fixed_k == 0

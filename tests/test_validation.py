@@ -29,6 +29,9 @@ BAD_REQUESTS = [
     (dict(prompt="x", stop=["y" * 1025]), "at most 1024 characters"),
     (dict(messages=[("robot", "hi")]), "unknown message role"),
     (dict(prompt_ids=[1] * 5000), "exceeds the model context"),
+    (dict(prompt="x" * 1_000_001), "prompt has 1000001 characters"),
+    # Checked before a chat template renders and the tokenizer reads the text, as a plain prompt is.
+    (dict(messages=[("system", "x" * 500_000), ("user", "y" * 500_001)]), "prompt has 1000001 characters"),
 ]
 
 

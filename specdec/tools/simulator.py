@@ -112,7 +112,8 @@ def build(traces: Sequence) -> TraceData:
             if t.drafted > 0 and not t.draft_token_ms:  # older traces: whole call over its forwards
                 draft_per_token.append(t.draft_ms / draft_forwards(t.k, t.drafted))
             verify_by_k.setdefault(t.drafted, []).append(t.verify_ms)
-            overheads.append(max(0.0, t.round_ms - t.draft_ms - t.verify_ms) / (2 if t.drafted else 1))
+            # A round with k > 0 called the draft even when the early stop left it no drafts.
+            overheads.append(max(0.0, t.round_ms - t.draft_ms - t.verify_ms) / (2 if t.k else 1))
     if not verify_by_k:
         raise ValueError("no steady-state rounds in the traces (every round prefilled a prompt)")
     timing = TimingFit(statistics.median(draft_per_token) if draft_per_token else 0.0,
