@@ -115,3 +115,6 @@ class EngineLimits:
     target_retry_s: float = 10.0
     # A draft call slower than this is abandoned and the round runs target-only.
     draft_timeout_s: float = 10.0
+    # A Verify slower than this fails the request UNAVAILABLE: a target that hangs while its process
+    # still answers keepalive pings held a request (and its admission slot) for ever without a deadline.
+    target_timeout_s: float = 600.0

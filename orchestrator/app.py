@@ -171,6 +171,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout-s", type=float, default=120.0,
                         help="at startup, wait this long for both workers to answer (they may still be loading "
                              "and calibrating their models) before exiting; the public port opens after")
+    parser.add_argument("--target-timeout-s", type=float, default=600.0,
+                        help="longest a Verify call may take (a prompt's prefill included) before UNAVAILABLE")
     parser.add_argument("--tls-cert", help="PEM certificate for the public API (TLS)")
     parser.add_argument("--tls-key", help="PEM private key for the public API")
     parser.add_argument("--auth-token-file", help="bearer tokens, one per line; callers without one get UNAUTHENTICATED")
@@ -212,14 +214,23 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         Admission.check_limits(args.max_concurrent, args.max_queue, args.rate_per_s)
     except ValueError as exc:
         raise SystemExit(f"--max-concurrent, --max-queue, --rate-per-s: {exc}") from None
-    if not (math.isfinite(args.connect_timeout_s) and args.connect_timeout_s > 0):
-        raise SystemExit(f"--connect-timeout-s must be a number of seconds > 0, got {args.connect_timeout_s}")
+    for flag in ("connect_timeout_s", "discovery_refresh_s", "target_timeout_s"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value > 0):  # 0 made the DNS refresh a busy loop
+            raise SystemExit(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {value}")
+    security.check_tls_flags(
+        {"--tls-cert": args.tls_cert, "--tls-key": args.tls_key, "--worker-ca": args.worker_ca,
+         "--worker-client-cert": args.worker_client_cert, "--worker-client-key": args.worker_client_key,
+         "--worker-server-name": args.worker_server_name},
+        {"--tls-cert": ("--tls-key",), "--tls-key": ("--tls-cert",),
+         "--worker-client-cert": ("--worker-client-key", "--worker-ca"),
+         "--worker-client-key": ("--worker-client-cert", "--worker-ca"), "--worker-server-name": ("--worker-ca",)})
     spec = SpeculationConfig.from_toml(args.config) if args.config else SpeculationConfig()
     flags = {"policy": args.policy, "min_k": args.min_k, "max_k": args.max_k, "fixed_k": args.fixed_k,
              "min_draft_prob": args.min_draft_prob, "pipeline": args.pipeline}
     spec = spec.with_values({k: v for k, v in flags.items() if v is not None}, "flags")  # flags beat the file
     limits = EngineLimits(max_new_tokens=args.max_new_tokens_limit, max_sessions=args.max_sessions,
-                          session_ttl_s=args.session_ttl_s)
+                          session_ttl_s=args.session_ttl_s, target_timeout_s=args.target_timeout_s)
     return OrchestratorConfig(args.draft, args.target, args.tokenizer, spec, limits, args.max_concurrent,
                               args.max_queue, args.rate_per_s, args.host, args.port, trace_file=args.trace_file,
                               tls_cert=args.tls_cert, tls_key=args.tls_key,

@@ -27,7 +27,7 @@ from orchestrator.routing import bounded_entry
 from orchestrator.sessions import OrchestratorSession, OrchestratorSessions
 from orchestrator.stopping import StopConditions
 from specdec.contract import SamplingConfig, validate_session_id
-from specdec.errors import InvalidRequest, SessionBusy, SessionNotFound, SpecdecError
+from specdec.errors import InvalidRequest, SessionBusy, SpecdecError
 from specdec.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class GenerationEngine:
         self.sessions = OrchestratorSessions(limits.max_sessions, limits.session_ttl_s, self._end_on_workers)
         self._background: set[asyncio.Task[Any]] = set()
         self.workers = Workers(draft, target, limits.draft_timeout_s, limits.target_retry_s, self.draft_health,
-                               lambda: setattr(self, "draft_branch_slots", 0))
+                               lambda: setattr(self, "draft_branch_slots", 0), limits.target_timeout_s)
 
     # ------------------------------------------------------------------ validation
     def validate(self, params: GenerateParams) -> SpeculationConfig:
@@ -185,16 +185,13 @@ class GenerationEngine:
         deadline = Deadline(timeout_s)
         ephemeral = params.session_id is None
         session_id = params.session_id or f"tmp-{uuid.uuid4().hex}"
-        session = self.sessions.get_or_create(session_id, ephemeral, lambda: self.prior_for(session_id).new_session())
         try:
-            await session.begin_turn(deadline.cap(ENDING_WAIT_S))
+            session = await self.sessions.take(session_id, ephemeral, lambda: self.prior_for(session_id).new_session(),
+                                               deadline.cap(ENDING_WAIT_S))
         except SessionBusy:
             deadline.remaining()  # DeadlineExceeded where the caller's deadline ran out first
             raise
         try:
-            if self.sessions.get(session_id) is not session:
-                # An EndSession queued on the lock ended it while this request waited.
-                raise SessionNotFound(f"session {session_id!r} was ended; start a new one")
             saved_tokens, saved_messages = list(session.tokens), list(session.messages)
             completed = False
             try:
@@ -209,8 +206,8 @@ class GenerationEngine:
                 if not completed:
                     session.tokens, session.messages = saved_tokens, saved_messages
                 self.sessions.touch(session)
-                if ephemeral:
-                    self.sessions.remove(session_id)
+                # A named session whose first turn failed is left as it was before: not there at all.
+                if (ephemeral or not session.tokens) and self.sessions.discard(session):
                     self._end_on_workers(session)
         finally:
             session.lock.release()

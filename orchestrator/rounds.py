@@ -150,6 +150,7 @@ class Workers:
     target_retry_s: float
     draft_health: DraftHealthBoard
     disable_branches: Callable[[], None] = lambda: None  # the draft turned out to have no branch slots
+    target_timeout_s: float = 600.0  # one Verify's longest (EngineLimits.target_timeout_s)
 
 
 @dataclass
@@ -536,9 +537,13 @@ class Round:
         reprefilled = False
         while True:
             commit = view.commit_for(canonical)
+            timeout = self.deadline.cap(w.target_timeout_s)
             try:
-                reply = await w.target.verify(session.session_id, commit, drafts, q_payload, self.sampling,
-                                              self.deadline.remaining())
+                reply = await w.target.verify(session.session_id, commit, drafts, q_payload, self.sampling, timeout)
+            except DeadlineExceeded as exc:
+                if timeout < w.target_timeout_s:  # the client's deadline: its DEADLINE_EXCEEDED
+                    raise
+                raise WorkerUnavailable(f"target worker did not answer within {w.target_timeout_s:g} s") from exc
             except (SessionNotFound, CacheMismatch) as exc:
                 if reprefilled:
                     raise

@@ -197,8 +197,9 @@ class ReplicaPool(Generic[B]):
         return self.ring.node_for(session_id, self.ejection.passed_over)
 
     def in_use(self) -> set[str]:
-        """The replicas sessions are routed to: all but those passed over for failing."""
-        return {node for node in self.ring.nodes if not self.ejection.passed_over(node)}
+        """The replicas sessions are routed to: all but those passed over for failing, or all of them
+        where every one is passed over (node_for then keeps each session on its owner)."""
+        return {node for node in self.ring.nodes if not self.ejection.passed_over(node)} or set(self.ring.nodes)
 
     async def call(self, node: str, run: Callable[[B], Awaitable[R]]) -> R:
         """run(the node's backend), with its outcome told to the ejection rule."""

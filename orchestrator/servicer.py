@@ -76,6 +76,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.engine = engine
         self.admission = admission
         self.metrics = metrics
+        if metrics is not None:  # read at each scrape: EndSession and evictions change it too
+            metrics.sessions.set_function(lambda: len(engine.sessions))
 
     async def _events(self, request: orchestrator_pb2.GenerateRequest,
                       context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[GenerationEvent]:
@@ -108,7 +110,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         finally:
             if self.metrics is not None:
                 self.metrics.request_done(method, code, time.perf_counter() - started, tokens)
-                self.metrics.sessions.set(len(self.engine.sessions))
 
     # Errors become statuses in one place: grpc_util.add_service.
     async def Generate(self, request: orchestrator_pb2.GenerateRequest,

@@ -64,6 +64,8 @@ class OrchestratorSession:
     # pre-drafts): the session's next request waits for it rather than being refused as busy.
     ending: bool = False
     turns: int = 0  # turns begun: a request that waited while another one began a turn is busy
+    # Its first turn failed, so it was dropped (a request waiting for it starts a new session).
+    discarded: bool = False
     last_used: float = field(default_factory=time.monotonic)
 
     async def begin_turn(self, wait_s: float) -> None:
@@ -145,9 +147,33 @@ class OrchestratorSessions:
         self._sessions.move_to_end(session_id)
         return session
 
+    async def take(self, session_id: str, ephemeral: bool, new_stats: Callable[[], SessionStats],
+                   wait_s: float) -> OrchestratorSession:
+        """The session (made if new), taken for a turn: SessionBusy while another turn runs on it."""
+        while True:
+            session = self.get_or_create(session_id, ephemeral, new_stats)
+            await session.begin_turn(wait_s)
+            if self._sessions.get(session_id) is session:
+                return session
+            session.lock.release()
+            if not session.discarded:  # an EndSession queued on the lock ended it while this one waited
+                raise SessionNotFound(f"session {session_id!r} was ended; start a new one")
+
+    def discard(self, session: OrchestratorSession) -> bool:
+        """Drop a session without a trace (no tombstone): an ephemeral one after its turn, or one whose
+        first turn failed. Whoever waits for it starts a new one. False if it was no longer here."""
+        if self._sessions.get(session.session_id) is not session:
+            return False
+        self.remove(session.session_id)
+        session.discarded = True
+        return True
+
     def touch(self, session: OrchestratorSession) -> None:
-        """A turn ended: its session's idle time starts now, not when the turn began."""
+        """A turn ended: its session's idle time starts now, not when the turn began, and it is the
+        most recently used (eviction order; it was placed when its turn began)."""
         session.last_used = self._clock()
+        if self._sessions.get(session.session_id) is session:
+            self._sessions.move_to_end(session.session_id)
 
     def remove(self, session_id: str) -> OrchestratorSession | None:
         """The session ends (its id starts a new one next time, also after an eviction)."""
@@ -155,9 +181,16 @@ class OrchestratorSessions:
         return self._sessions.pop(session_id, None)
 
     def _expire(self) -> None:
+        # In order of last use (get_or_create and touch move a session to the end): the expired ones
+        # are at the front, so this stops at the first that is not (it scanned all 10,000 a request).
         now = self._clock()
-        for sid in [s for s, sess in self._sessions.items()
-                    if now - sess.last_used > self.ttl_s and not sess.lock.locked()]:
+        expired = []
+        for sid, sess in self._sessions.items():
+            if now - sess.last_used <= self.ttl_s:
+                break
+            if not sess.lock.locked():
+                expired.append(sid)
+        for sid in expired:
             self._evict(sid, f"expired after {self.ttl_s:g} s idle")
 
     def _enforce_limit(self, keep: str) -> None:

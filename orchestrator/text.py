@@ -4,12 +4,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 INCOMPLETE = "\ufffd"  # what a decoder yields for the first bytes of a character split across tokens
-# A UTF-8 character has at most 4 bytes, and a token at least one: a character the last tokens leave
-# incomplete began within the last 4. Further back, a U+FFFD is final (the character itself, or bytes
-# that are no character).
+# A UTF-8 character has at most 4 bytes, and a token that decodes to something at least one: past 4
+# such tokens, a U+FFFD that every later decode kept is final (the character itself, or bytes that
+# are no character), where the decode splits cleanly.
 CHARACTER_TOKENS = 4
-# Tokens that decode to nothing (skipped special ones) are kept as context behind the text before
-# them, at most this many, so that a long run of them cannot make every decode long.
+# Prefix of each stop string that candidate positions for a held-back suffix are searched for (C-level
+# find): the shorter suffixes are checked one by one.
+STOP_PROBE_CHARS = 16
+# Tokens with no text of their own kept as context beside the last text (see TextAssembler._empty_context).
 EMPTY_CONTEXT_TOKENS = 64
 
 
@@ -30,10 +32,16 @@ class TextAssembler:
         self._decode = decode
         self._stop = [s for s in stop if s]
         self._longest_stop = max((len(s) for s in self._stop), default=0)
+        self._probes = [s[:min(len(s) - 1, STOP_PROBE_CHARS)] for s in self._stop]
         self._ids: list[int] = []
         self._text = ""  # the text of ids[:_read]
         self._pending = ""  # the whole characters of ids[_read:], whose last token ends mid-character
-        self._context = 0  # ids[_context:_read] are decoded again with the next tokens
+        # Decoded again with the next tokens: the tokens of the last commit that had text, and those
+        # committed since with none (a skipped special token, a lone SentencePiece space). Alone as
+        # the context, the latter made a decoder that drops a first token's leading space drop the
+        # next token's; kept beside the text, and only the last EMPTY_CONTEXT_TOKENS of them.
+        self._context: list[int] = []
+        self._empty_context: list[int] = []
         self._read = 0
         self._emitted = 0  # characters given out so far
         self.stopped = False
@@ -74,34 +82,44 @@ class TextAssembler:
         """Append the text of the tokens past _read; while it ends mid-character, only show it."""
         if self._read == len(self._ids):
             return
-        context = self._decode(self._ids[self._context:self._read])
-        new = self._decode(self._ids[self._context:])[len(context):]
+        context = self._decode(self._context + self._empty_context)
+        new = self._text_of(context, len(self._ids))
         if final or not new.endswith(INCOMPLETE):
             self._commit(new, len(self._ids))
             return
-        settled = len(self._ids) - CHARACTER_TOKENS
-        if settled > self._read:
+        settled = self._settled()
+        if settled is not None:
             # Still U+FFFD after more tokens than a character spans (a run of U+FFFD characters, or of
-            # invalid bytes): commit all but the last few, else nothing would stream and every token
-            # would decode the whole run again. Only text that each later token left as it was: a
-            # byte-fallback decoder shows a whole run of byte tokens as U+FFFD while one is incomplete.
-            head = self._decode(self._ids[self._context:settled])[len(context):]
-            if head and new.startswith(head) and all(
-                    self._decode(self._ids[self._context:end])[len(context):].startswith(head)
-                    for end in range(settled + 1, len(self._ids))):
+            # invalid bytes): commit up to `settled`, else nothing would stream and every token would
+            # decode the whole run again. Only where every decode so far splits there: a byte-fallback
+            # decoder shows a whole run of byte tokens as U+FFFD while one of them is incomplete.
+            head = self._text_of(context, settled)
+            if head and all(self._text_of(context, end) == head + self._decode(self._ids[settled:end])
+                            for end in range(settled + 1, len(self._ids) + 1)):
                 self._commit(head, settled)
                 new = new[len(head):]
         self._pending = new.rstrip(INCOMPLETE)
+
+    def _text_of(self, context: str, end: int) -> str:
+        """The text of ids[_read:end] after the context."""
+        return self._decode(self._context + self._empty_context + self._ids[self._read:end])[len(context):]
+
+    def _settled(self) -> int | None:
+        """Where the last CHARACTER_TOKENS tokens with text of their own begin, if after _read."""
+        at, counted = len(self._ids), 0
+        while at > self._read and counted < CHARACTER_TOKENS:
+            at -= 1
+            counted += bool(self._decode(self._ids[at:at + 1]))
+        return at if counted == CHARACTER_TOKENS and at > self._read else None
 
     def _commit(self, text: str, upto: int) -> None:
         """ids[_read:upto] decode to text for good."""
         self._text += text
         self._pending = ""
-        # The committed tokens are the next decode's context, unless they decoded to nothing: a
-        # decoder that drops a first token's leading space (SentencePiece) would then drop the next
-        # token's, so the context stays on the text before them.
-        if text or self._read - self._context >= EMPTY_CONTEXT_TOKENS:
-            self._context = self._read
+        if text:
+            self._context, self._empty_context = self._ids[self._read:upto], []
+        else:
+            self._empty_context = (self._empty_context + self._ids[self._read:upto])[-EMPTY_CONTEXT_TOKENS:]
         self._read = upto
 
     def _visible_len(self) -> int:
@@ -133,13 +151,18 @@ class TextAssembler:
         end = self._visible_len()
         tail = self._visible(max(0, end - self._longest_stop), end)
         held = 0
-        for stop in self._stop:
-            # Only where the stop string's first character occurs (slicing every length was
-            # quadratic in the stop string's length, every round); the earliest is the longest.
-            at = tail.find(stop[0], max(0, len(tail) - len(stop) + 1))
+        for stop, probe in zip(self._stop, self._probes):
+            # Suffixes at least as long as the probe start where it occurs (found by str.find; the
+            # earliest is the longest), the shorter ones are tried one by one: slicing every length
+            # of a long stop string was quadratic in it, every round.
+            at = tail.find(probe, max(0, len(tail) - len(stop) + 1)) if probe else -1
             while 0 <= at < len(tail) - held:
                 if stop.startswith(tail[at:]):
                     held = len(tail) - at
                     break
-                at = tail.find(stop[0], at + 1)
+                at = tail.find(probe, at + 1)
+            for n in range(min(len(probe) - 1, len(tail)), held, -1):
+                if tail.endswith(stop[:n]):
+                    held = n
+                    break
         return held

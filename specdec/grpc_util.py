@@ -32,6 +32,21 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 3000),
 ]
+KEEPALIVE_MS = dict(CHANNEL_OPTIONS)["grpc.keepalive_time_ms"]
+
+
+def server_options(keepalive_ms: int = KEEPALIVE_MS) -> list[tuple[str, int]]:
+    """The channel's sizes and keepalive, and the clients' keepalive pings accepted, idle connections
+    included: by gRPC's default a server wants 5 minutes between pings without data, and after two
+    early ones sent GOAWAY "too_many_pings" (idle worker channels dropped every minute or two). A
+    shorter minimum interval alone did not stop it while the server pings too: no strikes at all."""
+    return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_timeout_ms", dict(CHANNEL_OPTIONS)["grpc.keepalive_timeout_ms"]),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", keepalive_ms // 2),
+            ("grpc.http2.max_ping_strikes", 0)]
 
 
 def status_code(error: SpecdecError) -> grpc.StatusCode:
@@ -146,8 +161,9 @@ def delayed_call(call: Callable[[Any, Any], Awaitable[Any]], ms: float) -> Calla
 async def start_server(register: Callable[[grpc.aio.Server], None], service_names: list[str],
                        host: str = "127.0.0.1", port: int = 0,
                        credentials: grpc.ServerCredentials | None = None,
-                       interceptors: list[Any] | None = None) -> ServerHandle:
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors or [])
+                       interceptors: list[Any] | None = None,
+                       keepalive_ms: int = KEEPALIVE_MS) -> ServerHandle:
+    server = grpc.aio.server(options=server_options(keepalive_ms), interceptors=interceptors or [])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

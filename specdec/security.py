@@ -19,6 +19,16 @@ def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
 
+def check_tls_flags(pairs: dict[str, str | None], needs: dict[str, tuple[str, ...]]) -> None:
+    """Refuse (SystemExit) TLS flags given without their partners: `pairs` are flag -> value, `needs`
+    flag -> the flags it needs. A half-given pair ran plaintext, the bearer tokens in clear."""
+    for flag, partners in needs.items():
+        missing = [p for p in partners if pairs.get(flag) and not pairs.get(p)]
+        if missing:
+            raise SystemExit(f"{flag} needs {' and '.join(missing)} (without them the service would run "
+                             "without TLS)")
+
+
 def server_credentials(cert: str, key: str, client_ca: str | None = None) -> grpc.ServerCredentials:
     """TLS; with client_ca, clients must present a certificate signed by it (mTLS)."""
     return grpc.ssl_server_credentials([(_read(key), _read(cert))], root_certificates=_read(client_ca),

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from orchestrator.app import OrchestratorConfig, start_orchestrator
 from orchestrator.routing import HashRing, ReplicaEjection, ReplicaPool
 from specdec import security
-from specdec.v1 import orchestrator_pb2_grpc
+from specdec.v1 import common_pb2, orchestrator_pb2_grpc
 from tests.stack import Stack, request, start_stack, start_worker
 from tests.test_e2e_generate import reference_greedy
 
@@ -126,6 +126,26 @@ async def test_health_and_reflection_on_all_services(stack) -> None:
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+async def test_servers_accept_the_clients_keepalive_pings_on_idle_connections() -> None:
+    """Clients ping every keepalive_time_ms with no call in flight; servers kept gRPC's default policy
+    (5 minutes between pings without data) and after two early pings sent GOAWAY "too_many_pings".
+    Here with the keepalive interval scaled from 30 s to 1 s on both ends."""
+    from specdec import grpc_util
+    keepalive_ms = 1000
+    handle = await grpc_util.start_server(lambda server: None, [], keepalive_ms=keepalive_ms)
+    options = [(k, keepalive_ms if k == "grpc.keepalive_time_ms" else v) for k, v in grpc_util.CHANNEL_OPTIONS]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}", options=options) as channel:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            states = []
+            for _ in range(7):  # 7 ping intervals idle: with the default policy it dropped after about 4.5
+                await asyncio.sleep(keepalive_ms / 1000)
+                states.append(channel.get_state())
+            assert set(states) == {grpc.ChannelConnectivity.READY}, states
+    finally:
+        await handle.stop(0)
+
+
 async def metrics_orchestrator(stack: Stack) -> tuple[Any, Any]:
     """start_stack's orchestrator has no metrics port: a second one with one, on the same workers."""
     cfg = OrchestratorConfig(f"127.0.0.1:{stack.draft_handle.port}", f"127.0.0.1:{stack.target_handle.port}",
@@ -151,10 +171,14 @@ async def test_prometheus_metrics() -> None:
             await stub.Generate(request(prompt_ids=[1, 2, 3], max_new_tokens=20, speculation={"fixed_k": 3}))
             with pytest.raises(grpc.aio.AioRpcError):
                 await stub.Generate(request(prompt="", max_new_tokens=5))
+            await stub.Generate(request(prompt_ids=[4, 5], max_new_tokens=2, session_id="kept"))
+            assert "specdec_sessions 1.0" in await scrape(handle.metrics_port)
+            await stub.EndSession(common_pb2.EndSessionRequest(session_id="kept"))
+            assert "specdec_sessions 0.0" in await scrape(handle.metrics_port)  # was set at a Generate's end only
         body = await scrape(handle.metrics_port)
-        assert 'specdec_requests_total{code="OK",method="Generate"} 1.0' in body
+        assert 'specdec_requests_total{code="OK",method="Generate"} 2.0' in body
         assert 'specdec_requests_total{code="INVALID_ARGUMENT",method="Generate"} 1.0' in body
-        assert "specdec_generated_tokens_total 20.0" in body
+        assert "specdec_generated_tokens_total 22.0" in body
         rounds = float(re.search(r"^specdec_rounds_total (\S+)", body, re.M).group(1))
         assert rounds >= 5
         for name in ("specdec_draft_tokens_total", "specdec_accepted_tokens_total", 'specdec_round_k_bucket{le="3.0"}',
@@ -344,6 +368,22 @@ def test_a_replica_failing_for_a_second_is_passed_over_for_a_cool_down() -> None
     assert on_a and all(ring.node_for(k, lambda node: node == "a") in ("b", "c") for k in on_a)
     assert all(ring.node_for(k, lambda node: node == "a") == ring.node_for(k) for k in keys if k not in on_a)
     assert ring.node_for(on_a[0], lambda node: True) == "a"  # all passed over: the owner
+
+
+async def test_replicas_in_use_are_all_of_them_when_every_one_is_passed_over() -> None:
+    # The draft health entry counts the replicas in use: with the only draft passed over, an empty
+    # set turned it back to SERVING while every round still went to that dead replica.
+    pool = ReplicaPool("draft", "10.0.0.1:1,10.0.0.2:1", lambda address: address)
+    now = [0.0]
+    pool.ejection = ReplicaEjection(clock=lambda: now[0])
+    for t in (0.0, 1.2):
+        now[0] = t
+        pool.ejection.failed("10.0.0.1:1")
+    assert pool.in_use() == {"10.0.0.2:1"}
+    for t in (1.3, 2.5):
+        now[0] = t
+        pool.ejection.failed("10.0.0.2:1")
+    assert pool.in_use() == {"10.0.0.1:1", "10.0.0.2:1"}
 
 
 async def test_a_dead_replica_of_a_static_list_is_routed_around_from_startup_on() -> None:

@@ -17,7 +17,7 @@ from orchestrator.config import SpeculationOverride
 from orchestrator.api import EngineLimits, GenerateParams
 from orchestrator.engine import GenerationEngine
 from orchestrator.kpolicy import SessionStats
-from specdec.errors import SessionBusy
+from specdec.errors import DeadlineExceeded, SessionBusy, WorkerUnavailable
 from specdec.tools.loadtest import run_load
 from specdec.models import ByteTokenizer
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, worker_pb2
@@ -158,6 +158,29 @@ async def test_client_deadline_propagates_to_worker_calls() -> None:
     assert draft.timeouts and all(t is not None and t <= 3.0 for t in draft.timeouts)
 
 
+class _HangingTarget(_FakeTarget):
+    """A target whose process is up (keepalive answered) but whose Verify never returns."""
+
+    async def verify(self, session_id, commit, draft_tokens, q_payload, sampling, timeout_s):
+        self.timeouts.append(timeout_s)
+        await asyncio.sleep(timeout_s if timeout_s is not None else 2.0)
+        raise DeadlineExceeded("Deadline Exceeded")  # as gRPC ends a call at its timeout
+
+
+async def test_a_hung_target_fails_the_request_unavailable_without_a_client_deadline() -> None:
+    target = _HangingTarget()
+    engine = GenerationEngine(_FakeDraft(), target, ByteTokenizer(), WorkerDescription("target", "fake", 260, 4096, [257]),
+                              limits=EngineLimits(target_timeout_s=0.2))
+    params = GenerateParams(prompt_ids=(1, 2, 3), max_new_tokens=8, speculation=SpeculationOverride(fixed_k=0))
+    with pytest.raises(WorkerUnavailable, match="did not answer within 0.2 s"):
+        async for _ in engine.generate(params, timeout_s=None):
+            pass
+    assert target.timeouts == [0.2]  # was None: no deadline, the request waited for ever
+    with pytest.raises(DeadlineExceeded):  # the client's own deadline first: still its error
+        async for _ in engine.generate(params, timeout_s=0.1):
+            pass
+
+
 async def test_deadline_and_cancellation_leak_nothing(stack) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stack.generate(prompt_ids=PROMPT, max_new_tokens=3000, timeout=0.3, speculation={"fixed_k": 0})
@@ -169,12 +192,10 @@ async def test_deadline_and_cancellation_leak_nothing(stack) -> None:
         await cancel_stream_after(stack, 10, **fields)
     engine = stack.orch.engine
     await wait_until(lambda: stack.orch.admission.running == 0 and not engine._background
-                     and set(stack.target.core.store._slots) <= {"kept"}
-                     and set(stack.draft.core.store._slots) <= {"kept"}
-                     and len(engine.sessions) == 1)
-    # The cancelled turn left the session as it was before the call (empty), unlocked and usable.
-    kept = engine.sessions.get("kept")
-    assert kept is not None and kept.tokens == [] and not kept.lock.locked()
+                     and not stack.target.core.store._slots and not stack.draft.core.store._slots
+                     and len(engine.sessions) == 0)
+    # The cancelled turn was the session's first: it left the session as it was before, not there
+    # (ended on the workers too), and the id starts a new one.
     reply = await stack.generate(prompt_ids=[1], max_new_tokens=4, session_id="kept")
     assert reply.stats.new_tokens == 4 and reply.stats.prompt_tokens == 1
     assert list(reply.token_ids) == reference_greedy([1], 4)
@@ -310,6 +331,61 @@ def test_sessions_all_generating_refuse_a_new_one_as_resource_exhausted() -> Non
     with pytest.raises(SessionNotFound, match="expired"):
         sessions.get_or_create("a", False, SessionStats)
     assert evicted == ["a"] and sessions.get_or_create("a", False, SessionStats) is not busy
+
+
+def test_eviction_takes_the_session_idle_longest_counted_from_its_last_turns_end() -> None:
+    """A turn's end made it the most recent in time but not in the eviction order: a session whose
+    long turn had just ended lost its history before one idle far longer."""
+    from orchestrator.sessions import OrchestratorSessions
+    evicted: list[str] = []
+    now = [0.0]
+    sessions = OrchestratorSessions(2, ttl_s=1000.0, on_evict=lambda s: evicted.append(s.session_id),
+                                    clock=lambda: now[0])
+    long_turn = sessions.get_or_create("x", False, SessionStats)  # x's turn begins at 0 and runs 99 s
+    now[0] = 1.0
+    sessions.touch(sessions.get_or_create("y", False, SessionStats))  # y: a short turn, idle from 1 s
+    now[0] = 99.0
+    sessions.touch(long_turn)
+    now[0] = 100.0
+    sessions.get_or_create("z", False, SessionStats)
+    assert evicted == ["y"] and sessions.get("x") is long_turn
+    # Expiry walks the same order and stops at the first session still within its TTL.
+    now[0] = 1099.5
+    sessions.get_or_create("w", False, SessionStats)
+    assert evicted == ["y", "x"] and sessions.get("z") is not None
+
+
+async def test_a_failed_first_turn_leaves_no_session_behind() -> None:
+    """A named session's first turn that fails is left as it was before: not there. It stayed as an
+    empty session (evicted later with a tombstone: the corrected retry got NOT_FOUND)."""
+    stack = await start_stack(engine_limits=EngineLimits(max_sessions=2))
+    try:
+        await stack.generate(prompt_ids=[5, 6], max_new_tokens=4, session_id="a")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stack.generate(prompt_ids=[5] * 10, max_new_tokens=4090, session_id="bad")  # over the context
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert stack.orch.engine.sessions.get("bad") is None
+        await stack.generate(prompt_ids=[5, 6], max_new_tokens=4, session_id="b")
+        await stack.generate(prompt_ids=[7], max_new_tokens=4, session_id="a")  # "a" kept its place
+        again = await stack.generate(prompt_ids=[5, 6], max_new_tokens=4, session_id="bad")  # no tombstone
+        assert again.stats.prompt_tokens == 2
+    finally:
+        await stack.close()
+
+
+async def test_a_request_waiting_for_a_failed_first_turn_starts_the_session_afresh() -> None:
+    from orchestrator.sessions import OrchestratorSessions
+    sessions = OrchestratorSessions(4, ttl_s=100.0, on_evict=lambda s: None)
+    first = await sessions.take("s", False, SessionStats, wait_s=1.0)
+    first.ending = True  # the turn failed and is cleaning up: a retry waits for it
+
+    async def fail_the_first_turn() -> None:
+        await asyncio.sleep(0.05)
+        assert sessions.discard(first)
+        first.lock.release()
+    asyncio.get_running_loop().create_task(fail_the_first_turn())
+    second = await sessions.take("s", False, SessionStats, wait_s=1.0)
+    assert second is not first and sessions.get("s") is second and first.discarded
 
 
 def test_a_session_keeps_one_kind_of_input() -> None:
@@ -519,7 +595,6 @@ async def test_the_workers_get_one_startup_timeout_between_them() -> None:
     timeout that the k8s startup probe is sized on, so the kubelet killed the orchestrator before
     its own error named the missing worker."""
     from orchestrator.app import wait_for_workers
-    from specdec.errors import WorkerUnavailable
 
     class Worker:
         def __init__(self, ready_after_s: float) -> None:
@@ -548,6 +623,13 @@ def test_orchestrator_flags_are_checked_before_it_waits_for_the_workers() -> Non
     base = ["--draft", "d:1", "--target", "t:1"]
     assert config_from_args(parser.parse_args(base)).connect_timeout_s == 120.0
     for flags in (["--max-concurrent", "0"], ["--rate-per-s", "nan"], ["--rate-per-s", "-1"],
-                  ["--max-queue", "-1"], ["--connect-timeout-s", "nan"], ["--connect-timeout-s", "0"]):
+                  ["--max-queue", "-1"], ["--connect-timeout-s", "nan"], ["--connect-timeout-s", "0"],
+                  ["--discovery-refresh-s", "0"], ["--target-timeout-s", "-1"]):  # refresh 0: a busy DNS loop
         with pytest.raises(SystemExit, match="must be"):
+            config_from_args(parser.parse_args(base + flags))
+    assert config_from_args(parser.parse_args(base)).limits.target_timeout_s == 600.0
+    # Half a TLS pair served plaintext (the bearer tokens in clear), mTLS flags without a CA talked plaintext.
+    for flags in (["--tls-cert", "c.pem"], ["--tls-key", "k.pem"], ["--worker-client-cert", "c", "--worker-client-key", "k"],
+                  ["--worker-server-name", "w"]):
+        with pytest.raises(SystemExit, match="needs"):
             config_from_args(parser.parse_args(base + flags))

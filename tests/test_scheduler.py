@@ -981,3 +981,8 @@ def test_session_store_flags_are_checked_before_the_model_loads() -> None:
                   ["--calibration-s", "nan"]):
         with pytest.raises(SystemExit, match="must be"):
             check_worker_flags(parser.parse_args(flags))
+    # TLS half given (mTLS meant: a CA and a certificate, no key) served plaintext with no client auth.
+    for flags in (["--tls-cert", "c.pem"], ["--tls-key", "k.pem"], ["--tls-client-ca", "ca.pem", "--tls-cert", "c.pem"]):
+        with pytest.raises(SystemExit, match="needs"):
+            check_worker_flags(parser.parse_args(flags))
+    check_worker_flags(parser.parse_args(["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"]))

@@ -147,6 +147,13 @@ def test_a_skipped_special_token_keeps_the_next_tokens_space() -> None:
         for size in (1, 2, 5):
             assert stream(TextAssembler(decode, stop), ids, [size] * 5) == whole_output_reference(ids, stop, decode)
     assert stream(TextAssembler(decode, []), ids, [1] * 5)[0] == "Hello world. how"
+    # A lone space token decodes to nothing by itself too, yet it is the next token's context.
+    decode = sentencepiece_decode(["▁", "▁Hello"])
+    assert stream(TextAssembler(decode, ["x"]), [0, 1], [1, 1]) == (" Hello", 2) == whole_output_reference([0, 1], ["x"], decode)
+    # However many skipped tokens come between (the context keeps the last 64 beside the text).
+    ids = [0, *[1] * 100, 2, 3, 4]
+    decode = sentencepiece_decode(vocab)
+    assert stream(TextAssembler(decode, [" world"]), ids, [1] * len(ids)) == whole_output_reference(ids, [" world"], decode)
 
 
 def test_a_run_of_replacement_characters_streams_and_decodes_a_bounded_context() -> None:
@@ -172,12 +179,15 @@ def test_the_held_back_stop_prefix_is_the_longest_suffix_that_begins_a_stop_stri
         assert asm._stop_prefix_len() == expected, (stop, text)
 
 
+SPECIAL = -1  # a skipped special token: decodes to nothing, and the bytes around it join
+
+
 def byte_fallback_decode(ids: list[int]) -> str:
     """Like SentencePiece's byte fallback: ids < 256 are byte tokens, 256 + i is the character chr(i).
     A run of byte tokens that is not valid UTF-8 as a whole decodes to one U+FFFD per byte, so the
     characters already complete in it turn to U+FFFD while a later one is incomplete."""
     out, run = [], bytearray()
-    for i in [*ids, None]:
+    for i in [*(i for i in ids if i != SPECIAL), None]:
         if i is not None and i < 256:
             run.append(i)
             continue
@@ -192,12 +202,16 @@ def byte_fallback_decode(ids: list[int]) -> str:
 
 
 def test_text_held_for_an_incomplete_character_is_not_committed_from_a_byte_run_shown_as_invalid() -> None:
+    """Also with U+FFFD as a character (as bytes it looks like the placeholder) and with skipped special
+    tokens anywhere, inside a character's bytes too (a character then spans more than 4 tokens)."""
     rng = random.Random(5)
-    for _ in range(400):
+    for _ in range(600):
         ids: list[int] = []
         for _ in range(rng.randint(1, 12)):
-            char = rng.choice("ab\u0442\u0440\ufb01\U0001f600")
+            char = rng.choice("ab\u0442\u0440\ufb01\U0001f600\ufffd")
             ids += list(char.encode()) if rng.random() < 0.7 else [256 + ord(char)]
+            for _ in range(rng.choice([0, 0, 0, 1, 5])):
+                ids.insert(rng.randint(0, len(ids)), SPECIAL)
         stop = rng.sample(["b\ufb01", "\u0442\u0440", "\U0001f600a"], rng.randint(0, 2))
         chunks = [rng.randint(1, 5) for _ in ids]
         text, kept = stream(TextAssembler(byte_fallback_decode, stop), ids, chunks)
