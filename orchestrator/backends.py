@@ -6,10 +6,16 @@ orchestrator: they travel from the draft's reply into the target's request untou
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specdec.contract import Commit, CostCurve, SamplingConfig
+
+# Where a worker client adds each request's size as it sends it: (role, bytes). Set by the round for its
+# calls; counted at send, so a call cancelled before its reply (a dropped pre-draft) counts as well.
+SENT_BYTES: ContextVar[Callable[[str, int], None] | None] = ContextVar("specdec_sent_bytes", default=None)
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from orchestrator.backends import DraftReply, VerifyReply, WorkerDescription
+from orchestrator.backends import SENT_BYTES, DraftReply, VerifyReply, WorkerDescription
 from specdec.errors import (CacheMismatch, CapacityExceeded, DeadlineExceeded, InvalidRequest,
                             SessionNotFound, SpecdecError, WorkerInternalError, WorkerUnavailable)
 from specdec.contract import Commit, CostCurve, SamplingConfig
@@ -107,6 +107,7 @@ class GrpcDraftBackend(_WorkerClient):
                                             sampling=sampling.to_pb(), min_draft_prob=min_draft_prob, slot=slot)
         if fork_from is not None:
             request.fork_from = fork_from
+        _count_sent(self.role, request)
         start = time.perf_counter()
         reply = await self._call(self._stub.Propose, request, timeout_s)
         return DraftReply(tokens=list(reply.tokens), token_probs=list(reply.token_probs),
@@ -117,6 +118,11 @@ class GrpcDraftBackend(_WorkerClient):
                           alternatives=list(zip(reply.alt_tokens, reply.alt_probs)), slot=reply.slot,
                           bytes_sent=request.ByteSize(), bytes_received=reply.ByteSize(),
                           wall_ms=(time.perf_counter() - start) * 1000.0)
+
+
+def _count_sent(role: str, request: Any) -> None:
+    if (count := SENT_BYTES.get()) is not None:
+        count(role, request.ByteSize())
 
 
 class GrpcTargetBackend(_WorkerClient):
@@ -132,6 +138,7 @@ class GrpcTargetBackend(_WorkerClient):
                                            draft_tokens=draft_tokens, sampling=sampling.to_pb())
         if q_payload is not None and not sampling.greedy:
             request.q.extend(q_payload)
+        _count_sent(self.role, request)
         start = time.perf_counter()
         reply = await self._call(self._stub.Verify, request, timeout_s)
         return VerifyReply(accepted_len=reply.accepted_len, next_token=reply.next_token,

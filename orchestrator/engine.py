@@ -3,11 +3,15 @@
 One turn: validate (once) -> session -> canonical tokens -> loop { k from the policy -> Round.run ->
 every observer sees the RoundRecord -> stream event } -> final event. Worker calls and their recovery
 live in orchestrator.rounds, stop rules in orchestrator.stopping, k policies in orchestrator.kpolicy.
+
+Over 300 lines: a turn's life on its session (taken, rolled back, dropped, ended on the workers, and
+a new session on the same id kept from racing the old one's end) is one sequence, read in one place.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -65,6 +69,7 @@ class GenerationEngine:
         self.guards: dict[str, PairGuard] = {}
         self.sessions = OrchestratorSessions(limits.max_sessions, limits.session_ttl_s, self._end_on_workers)
         self._background: set[asyncio.Task[Any]] = set()
+        self._ending: dict[str, asyncio.Task[Any]] = {}  # session id -> its worker sessions being ended
         self.workers = Workers(draft, target, limits.draft_timeout_s, limits.target_retry_s, self.draft_health,
                                lambda: setattr(self, "draft_branch_slots", 0), limits.target_timeout_s)
 
@@ -113,7 +118,13 @@ class GenerationEngine:
         except RuntimeError:  # no loop: nothing to end them with
             return
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._ending[session.session_id] = task  # a new session on the id waits for it (generate)
+        task.add_done_callback(functools.partial(self._ended, session.session_id))
+
+    def _ended(self, session_id: str, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if self._ending.get(session_id) is task:
+            del self._ending[session_id]
 
     async def _end_on_backends(self, session_id: str, failure_level: int) -> bool:
         existed = False
@@ -125,15 +136,18 @@ class GenerationEngine:
         return existed
 
     async def end_session(self, session_id: str) -> bool:
-        session = self.sessions.get(session_id)
-        if session is not None:
+        found = False
+        while (session := self.sessions.get(session_id)) is not None:
             # Wait for a generation in flight on this session: ending it mid-round would let that
-            # round re-create worker caches for a session that no longer exists.
+            # round re-create worker caches for a session that no longer exists. By then the id may
+            # hold another session (a waiting request took it over from a failed first turn): its too.
             async with session.lock:
-                self.sessions.remove(session_id)
+                if found := self.sessions.get(session_id) is session:
+                    self.sessions.remove(session_id)
+                    break
         else:
             self.sessions.remove(session_id)  # an evicted session's id may start afresh now
-        return await self._end_on_backends(session_id, logging.WARNING) or session is not None
+        return await self._end_on_backends(session_id, logging.WARNING) or found
 
     @staticmethod
     def _replica(backend: Any, role: str, session_id: str) -> str:
@@ -192,6 +206,9 @@ class GenerationEngine:
             deadline.remaining()  # DeadlineExceeded where the caller's deadline ran out first
             raise
         try:
+            if not session.tokens and (ending := self._ending.get(session_id)) is not None:
+                # The workers are still ending this id's last session: let them, before this one starts.
+                await asyncio.wait([ending], timeout=deadline.cap(ENDING_WAIT_S))
             saved_tokens, saved_messages = list(session.tokens), list(session.messages)
             completed = False
             try:

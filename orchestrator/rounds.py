@@ -31,14 +31,15 @@ Over 300 lines: the serial calls, their recovery paths and the pre-draft share o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.backends import DraftBackend, DraftReply, TargetBackend, VerifyReply
+from orchestrator.backends import SENT_BYTES, DraftBackend, DraftReply, TargetBackend, VerifyReply
 from orchestrator.guard import GuardTicket, PairGuard, without_prompt_rows
 from orchestrator.kpolicy import branch_budget
 from orchestrator.record import RoundRecord
@@ -184,6 +185,21 @@ class _Calls:
     bytes_to_target: int = 0
     bytes_from_target: int = 0
     target_cached: int = 0
+
+    @contextlib.contextmanager
+    def counting_sent(self) -> Iterator[None]:
+        """Requests sent inside count here (orchestrator.backends.SENT_BYTES), replied to or not."""
+        token = SENT_BYTES.set(self._sent)
+        try:
+            yield
+        finally:
+            SENT_BYTES.reset(token)
+
+    def _sent(self, role: str, size: int) -> None:
+        if role == "draft":
+            self.bytes_to_draft += size
+        else:
+            self.bytes_to_target += size
 
 
 class Round:
@@ -413,16 +429,16 @@ class Round:
         if commit.cache_len != len(assumed) - 1:
             return None  # the draft does not hold the branch point (its slot was cropped meanwhile)
         try:
-            reply = await w.draft.propose(session.session_id, commit, k, self.sampling, self.min_draft_prob,
-                                          self.deadline.cap(w.draft_timeout_s, past_ok=True), slot=slot,
-                                          fork_from=source)
+            with calls.counting_sent():
+                reply = await w.draft.propose(session.session_id, commit, k, self.sampling, self.min_draft_prob,
+                                              self.deadline.cap(w.draft_timeout_s, past_ok=True), slot=slot,
+                                              fork_from=source)
         except SpecdecError as exc:
             log.debug("branch pre-draft on slot %d failed: %s", slot, exc)
             return None
         except Exception:  # noqa: BLE001 - optional work never fails the round, but a bug must show
             log.exception("branch pre-draft on slot %d failed", slot)
             return None
-        calls.bytes_to_draft += reply.bytes_sent
         calls.bytes_from_draft += reply.bytes_received
         if reply.slot != slot:
             # A draft worker without slots (an older one behind the same address) ran this on the
@@ -491,8 +507,9 @@ class Round:
             # ring meanwhile (its channel closed mid-call) and the session maps to another.
             health = w.draft_health.for_session(session.session_id)
             try:
-                reply = await w.draft.propose(session.session_id, commit, k, self.sampling, self.min_draft_prob,
-                                              timeout, slot=slot)
+                with calls.counting_sent():
+                    reply = await w.draft.propose(session.session_id, commit, k, self.sampling, self.min_draft_prob,
+                                                  timeout, slot=slot)
             except asyncio.CancelledError:
                 # Cancelled mid-call (a cancelled turn, a dropped pre-draft): the worker applied the
                 # commit or never ran it; either way it holds the kept prefix.
@@ -523,7 +540,6 @@ class Round:
                 return None
             health.succeeded()
             await w.draft_health.report()
-            calls.bytes_to_draft += reply.bytes_sent
             calls.bytes_from_draft += reply.bytes_received
             view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), reply.tokens, reply.cache_len)
             return reply
@@ -539,10 +555,12 @@ class Round:
             commit = view.commit_for(canonical)
             timeout = self.deadline.cap(w.target_timeout_s)
             try:
-                reply = await w.target.verify(session.session_id, commit, drafts, q_payload, self.sampling, timeout)
+                with calls.counting_sent():
+                    reply = await w.target.verify(session.session_id, commit, drafts, q_payload, self.sampling, timeout)
             except DeadlineExceeded as exc:
                 if timeout < w.target_timeout_s:  # the client's deadline: its DEADLINE_EXCEEDED
                     raise
+                getattr(w.target, "call_timed_out", lambda session_id: None)(session.session_id)
                 raise WorkerUnavailable(f"target worker did not answer within {w.target_timeout_s:g} s") from exc
             except (SessionNotFound, CacheMismatch) as exc:
                 if reprefilled:
@@ -562,7 +580,6 @@ class Round:
                 await asyncio.sleep(backoff)
                 backoff = min(1.0, backoff * 2)
                 continue
-            calls.bytes_to_target += reply.bytes_sent
             calls.bytes_from_target += reply.bytes_received
             calls.target_cached = commit.cache_len
             view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), drafts, reply.cache_len)

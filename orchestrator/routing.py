@@ -248,6 +248,11 @@ class _Routed:
     async def end_session(self, session_id: str) -> bool:
         return await self._call(session_id, "end_session")
 
+    def call_timed_out(self, session_id: str) -> None:
+        """A call on the session's replica ran past the orchestrator's own timeout (not the client's
+        deadline): a replica that hangs is failing too, and its sessions go elsewhere as for one down."""
+        self.pool.ejection.failed(self.pool.node_for(session_id))
+
     async def describe(self, timeout_s: float | None = None) -> Any:
         return await self.pool.first_answer(lambda backend: backend.describe(timeout_s))
 

@@ -42,6 +42,7 @@ class TextAssembler:
         # next token's; kept beside the text, and only the last EMPTY_CONTEXT_TOKENS of them.
         self._context: list[int] = []
         self._empty_context: list[int] = []
+        self._token_has_text: dict[int, bool] = {}
         self._read = 0
         self._emitted = 0  # characters given out so far
         self.stopped = False
@@ -105,12 +106,20 @@ class TextAssembler:
         return self._decode(self._context + self._empty_context + self._ids[self._read:end])[len(context):]
 
     def _settled(self) -> int | None:
-        """Where the last CHARACTER_TOKENS tokens with text of their own begin, if after _read."""
-        at, counted = len(self._ids), 0
-        while at > self._read and counted < CHARACTER_TOKENS:
+        """Where the last CHARACTER_TOKENS tokens with text of their own begin, if after _read; looked
+        for over at most EMPTY_CONTEXT_TOKENS more (a long run of tokens without text between the
+        bytes of a character is cut there: else every token would walk and decode the whole run)."""
+        at, counted, floor = len(self._ids), 0, max(self._read, len(self._ids) - CHARACTER_TOKENS - EMPTY_CONTEXT_TOKENS)
+        while at > floor and counted < CHARACTER_TOKENS:
             at -= 1
-            counted += bool(self._decode(self._ids[at:at + 1]))
-        return at if counted == CHARACTER_TOKENS and at > self._read else None
+            counted += self._has_text(self._ids[at])
+        return at if (counted == CHARACTER_TOKENS or at == floor) and at > self._read else None
+
+    def _has_text(self, token: int) -> bool:
+        known = self._token_has_text.get(token)
+        if known is None:
+            known = self._token_has_text[token] = bool(self._decode([token]))
+        return known
 
     def _commit(self, text: str, upto: int) -> None:
         """ids[_read:upto] decode to text for good."""

@@ -706,3 +706,33 @@ async def test_pre_drafts_that_fail_count_as_neither_hit_nor_miss() -> None:
         assert reply.stats.predraft_hits == reply.stats.predraft_misses == 0
     finally:
         await stack.close()
+
+
+async def test_bytes_sent_count_every_request_a_cancelled_pre_draft_included(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Request bytes were counted from the reply: a pre-draft cancelled by a rejecting verify never
+    replied, so pipelined bytes_to_draft came out at about half of what was sent."""
+    from orchestrator import clients
+    sent = {"draft": 0, "target": 0}
+    cancelled = [0]
+    original = clients._WorkerClient._call
+
+    async def counting_call(self, method, request, timeout_s):
+        if type(request).__name__ in ("ProposeRequest", "VerifyRequest"):
+            sent[self.role] += request.ByteSize()
+        try:
+            return await original(self, method, request, timeout_s)
+        except asyncio.CancelledError:
+            cancelled[0] += 1
+            raise
+    monkeypatch.setattr(clients._WorkerClient, "_call", counting_call)
+    stack = await start_stack(draft_ref="tiny:seed=1", draft_call_delay_ms=5.0,
+                              speculation=SpeculationConfig(policy="fixed", fixed_k=4))
+    try:
+        for spec in ({}, {"pipeline": True, "pipeline_branches": 2}):
+            sent.update(draft=0, target=0)
+            reply = await stack.generate(prompt_ids=list(range(5, 45)), max_new_tokens=60, seed=1, temperature=1.0,
+                                         speculation=spec)
+            assert (reply.stats.bytes_to_draft, reply.stats.bytes_to_target) == (sent["draft"], sent["target"])
+        assert cancelled[0] > 0  # the pipelined turn had pre-drafts dropped in flight
+    finally:
+        await stack.close()

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from orchestrator.app import DRAFT_HEALTH_NAME, OrchestratorConfig, start_orchestrator
 from orchestrator.backends import DraftReply, VerifyReply, WorkerDescription
 from orchestrator.config import SpeculationOverride
-from orchestrator.api import EngineLimits, GenerateParams
+from orchestrator.api import EngineLimits, GenerateParams, GenerationEvent
 from orchestrator.engine import GenerationEngine
 from orchestrator.kpolicy import SessionStats
 from specdec.errors import DeadlineExceeded, SessionBusy, WorkerUnavailable
@@ -179,6 +179,37 @@ async def test_a_hung_target_fails_the_request_unavailable_without_a_client_dead
     with pytest.raises(DeadlineExceeded):  # the client's own deadline first: still its error
         async for _ in engine.generate(params, timeout_s=0.1):
             pass
+
+
+class _HungTarget(_HangingTarget):
+    """Hung for good: its EndSession does not answer either (the model thread is stuck)."""
+
+    async def end_session(self, session_id):
+        await asyncio.sleep(3600)
+
+
+async def test_a_hung_target_replica_is_passed_over_like_one_that_is_down() -> None:
+    from orchestrator.routing import ReplicaEjection, ReplicaPool, RoutedTarget
+    hung = {"10.0.0.1:1": _HungTarget(), "10.0.0.2:1": _HungTarget()}
+    pool = ReplicaPool("target", ",".join(hung), lambda address: hung[address])
+    now = [0.0]
+    pool.ejection = ReplicaEjection(clock=lambda: now[0])
+    engine = GenerationEngine(_FakeDraft(), RoutedTarget(pool), ByteTokenizer(),
+                              WorkerDescription("target", "fake", 260, 4096, [257]),
+                              limits=EngineLimits(target_timeout_s=0.05))
+    owner = pool.node_for("s0")
+    same_owner = [f"s{i}" for i in range(50) if pool.node_for(f"s{i}") == owner][:2]
+    try:
+        for now[0], session_id in zip((0.0, 1.5), same_owner):  # failing for over ReplicaEjection.EJECT_AFTER_S
+            params = GenerateParams(prompt_ids=(1, 2, 3), max_new_tokens=4, session_id=session_id,
+                                    speculation=SpeculationOverride(fixed_k=0))
+            with pytest.raises(WorkerUnavailable, match="did not answer"):
+                async for _ in engine.generate(params):
+                    pass
+        assert pool.ejection.passed_over(owner) and pool.node_for(same_owner[0]) != owner
+    finally:
+        for task in list(engine._background):  # the EndSessions the hung replica never answers
+            task.cancel()
 
 
 async def test_deadline_and_cancellation_leak_nothing(stack) -> None:
@@ -386,6 +417,58 @@ async def test_a_request_waiting_for_a_failed_first_turn_starts_the_session_afre
     asyncio.get_running_loop().create_task(fail_the_first_turn())
     second = await sessions.take("s", False, SessionStats, wait_s=1.0)
     assert second is not first and sessions.get("s") is second and first.discarded
+
+
+class _LoggingTarget(_FakeTarget):
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, str, int]] = []
+
+    async def verify(self, session_id, commit, *args):
+        self.log.append(("verify", session_id, commit.cache_len))
+        await asyncio.sleep(0.02)
+        return await super().verify(session_id, commit, *args)
+
+    async def end_session(self, session_id):
+        self.log.append(("end", session_id, -1))
+        await asyncio.sleep(0.05)  # still ending while a new session on the id could start
+        return True
+
+
+async def test_an_end_session_queued_behind_a_retry_waits_for_the_retrys_turn() -> None:
+    """A first turn fails while a retry B and then an EndSession E wait on it: B starts the id afresh,
+    and E, given the failed turn's lock, ended B's new session in the middle of B's turn."""
+    target = _LoggingTarget()
+    engine = GenerationEngine(_FakeDraft(), target, ByteTokenizer(), WorkerDescription("target", "fake", 260, 4096, [257]))
+    first = await engine.sessions.take("s", False, SessionStats, wait_s=1.0)
+    first.ending = True  # its turn failed and is cleaning up
+    params = GenerateParams(prompt_ids=(1, 2, 3), max_new_tokens=6, session_id="s", speculation=SpeculationOverride(fixed_k=0))
+
+    async def retry() -> GenerationEvent:
+        return [event async for event in engine.generate(params, timeout_s=5)][-1]
+    retried = asyncio.create_task(retry())
+    await asyncio.sleep(0.01)
+    ended = asyncio.create_task(engine.end_session("s"))
+    await asyncio.sleep(0.01)
+    assert engine.sessions.discard(first)  # what generate's cleanup does for a failed first turn
+    first.lock.release()
+    assert (await retried).stats.new_tokens == 6 and await ended
+    verifies = [i for i, entry in enumerate(target.log) if entry[0] == "verify"]
+    assert [entry[0] for entry in target.log[verifies[-1] + 1:]] == ["end"]  # after the whole turn, not in it
+    assert engine.sessions.get("s") is None
+
+
+async def test_a_new_session_waits_for_the_workers_to_end_the_last_one_on_its_id() -> None:
+    """The workers' end of a dropped session ran in the background: it landed in the middle of the
+    next session on the same id (its cache ended after the first Verify: one more prefill)."""
+    target = _LoggingTarget()
+    engine = GenerationEngine(_FakeDraft(), target, ByteTokenizer(), WorkerDescription("target", "fake", 260, 4096, [257]))
+    dropped = engine.sessions.get_or_create("s", False, SessionStats)
+    assert engine.sessions.discard(dropped)
+    engine._end_on_workers(dropped)
+    params = GenerateParams(prompt_ids=(1, 2, 3), max_new_tokens=4, session_id="s", speculation=SpeculationOverride(fixed_k=0))
+    [event async for event in engine.generate(params, timeout_s=5)]
+    assert target.log[0] == ("end", "s", -1) and all(entry[0] == "verify" for entry in target.log[1:])
 
 
 def test_a_session_keeps_one_kind_of_input() -> None:
