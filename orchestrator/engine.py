@@ -67,7 +67,8 @@ class GenerationEngine:
         self.seed_stats.timing.seed_rtt(draft_rtt_ms, target_rtt_ms)  # pinged at startup (app.measure_rtt_ms)
         # One guard per worker pair: it measures whether the pair as a whole gains by speculating.
         self.guards: dict[str, PairGuard] = {}
-        self.sessions = OrchestratorSessions(limits.max_sessions, limits.session_ttl_s, self._end_on_workers)
+        self.sessions = OrchestratorSessions(limits.max_sessions, limits.session_ttl_s,
+                                             lambda evicted: self._end_on_workers(evicted.session_id))
         self._background: set[asyncio.Task[Any]] = set()
         self._ending: dict[str, asyncio.Task[Any]] = {}  # session id -> its worker sessions being ended
         self.workers = Workers(draft, target, limits.draft_timeout_s, limits.target_retry_s, self.draft_health,
@@ -112,14 +113,15 @@ class GenerationEngine:
         return self.speculation.with_override(params.speculation)
 
     # ------------------------------------------------------------------ sessions
-    def _end_on_workers(self, session: OrchestratorSession) -> None:
+    def _end_on_workers(self, session_id: str, failure_level: int = logging.DEBUG) -> asyncio.Task[bool] | None:
         try:
-            task = asyncio.get_running_loop().create_task(self._end_on_backends(session.session_id, logging.DEBUG))
+            task = asyncio.get_running_loop().create_task(self._end_on_backends(session_id, failure_level))
         except RuntimeError:  # no loop: nothing to end them with
-            return
+            return None
         self._background.add(task)
-        self._ending[session.session_id] = task  # a new session on the id waits for it (generate)
-        task.add_done_callback(functools.partial(self._ended, session.session_id))
+        self._ending[session_id] = task  # a new session on the id waits for it (generate)
+        task.add_done_callback(functools.partial(self._ended, session_id))
+        return task
 
     def _ended(self, session_id: str, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)
@@ -147,7 +149,8 @@ class GenerationEngine:
                     break
         else:
             self.sessions.remove(session_id)  # an evicted session's id may start afresh now
-        return await self._end_on_backends(session_id, logging.WARNING) or found
+        ending = self._end_on_workers(session_id, logging.WARNING)  # registered: a new session waits for it
+        return bool(ending is not None and await asyncio.shield(ending)) or found
 
     @staticmethod
     def _replica(backend: Any, role: str, session_id: str) -> str:
@@ -206,12 +209,12 @@ class GenerationEngine:
             deadline.remaining()  # DeadlineExceeded where the caller's deadline ran out first
             raise
         try:
-            if not session.tokens and (ending := self._ending.get(session_id)) is not None:
-                # The workers are still ending this id's last session: let them, before this one starts.
-                await asyncio.wait([ending], timeout=deadline.cap(ENDING_WAIT_S))
             saved_tokens, saved_messages = list(session.tokens), list(session.messages)
             completed = False
             try:
+                if not session.tokens and (ending := self._ending.get(session_id)) is not None:
+                    # The workers are still ending this id's last session: let them, before this one starts.
+                    await asyncio.wait([ending], timeout=deadline.cap(ENDING_WAIT_S))
                 # aclosing: a consumer that stops early closes the turn (and its pending pre-draft)
                 # here, before the session lock is released, not whenever the generator is collected.
                 async with contextlib.aclosing(self._run_turn(session, params, speculation, deadline)) as events:
@@ -225,7 +228,7 @@ class GenerationEngine:
                 self.sessions.touch(session)
                 # A named session whose first turn failed is left as it was before: not there at all.
                 if (ephemeral or not session.tokens) and self.sessions.discard(session):
-                    self._end_on_workers(session)
+                    self._end_on_workers(session_id)
         finally:
             session.lock.release()
 

@@ -554,13 +554,16 @@ class Round:
         while True:
             commit = view.commit_for(canonical)
             timeout = self.deadline.cap(w.target_timeout_s)
+            replica = None
             try:
+                replica = getattr(w.target, "node_for", lambda session_id: None)(session.session_id)
                 with calls.counting_sent():
                     reply = await w.target.verify(session.session_id, commit, drafts, q_payload, self.sampling, timeout)
             except DeadlineExceeded as exc:
                 if timeout < w.target_timeout_s:  # the client's deadline: its DEADLINE_EXCEEDED
                     raise
-                getattr(w.target, "call_timed_out", lambda session_id: None)(session.session_id)
+                if replica is not None:
+                    w.target.call_timed_out(replica)
                 raise WorkerUnavailable(f"target worker did not answer within {w.target_timeout_s:g} s") from exc
             except (SessionNotFound, CacheMismatch) as exc:
                 if reprefilled:

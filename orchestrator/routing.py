@@ -248,10 +248,11 @@ class _Routed:
     async def end_session(self, session_id: str) -> bool:
         return await self._call(session_id, "end_session")
 
-    def call_timed_out(self, session_id: str) -> None:
-        """A call on the session's replica ran past the orchestrator's own timeout (not the client's
-        deadline): a replica that hangs is failing too, and its sessions go elsewhere as for one down."""
-        self.pool.ejection.failed(self.pool.node_for(session_id))
+    def call_timed_out(self, node: str) -> None:
+        """A call on this replica (taken before the call: by its end the session may map elsewhere)
+        ran past the orchestrator's own timeout, not the client's deadline: a replica that hangs is
+        failing too, and its sessions go elsewhere as for one that is down."""
+        self.pool.ejection.failed(node)
 
     async def describe(self, timeout_s: float | None = None) -> Any:
         return await self.pool.first_answer(lambda backend: backend.describe(timeout_s))

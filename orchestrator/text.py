@@ -106,16 +106,16 @@ class TextAssembler:
         return self._decode(self._context + self._empty_context + self._ids[self._read:end])[len(context):]
 
     def _settled(self) -> int | None:
-        """Where the last CHARACTER_TOKENS tokens with text of their own begin, if after _read; looked
-        for over at most EMPTY_CONTEXT_TOKENS more (a long run of tokens without text between the
-        bytes of a character is cut there: else every token would walk and decode the whole run)."""
-        at, counted, floor = len(self._ids), 0, max(self._read, len(self._ids) - CHARACTER_TOKENS - EMPTY_CONTEXT_TOKENS)
-        while at > floor and counted < CHARACTER_TOKENS:
+        """Where the last CHARACTER_TOKENS tokens with text of their own begin, if after _read."""
+        at, counted = len(self._ids), 0
+        while at > self._read and counted < CHARACTER_TOKENS:
             at -= 1
             counted += self._has_text(self._ids[at])
-        return at if (counted == CHARACTER_TOKENS or at == floor) and at > self._read else None
+        return at if counted == CHARACTER_TOKENS and at > self._read else None
 
     def _has_text(self, token: int) -> bool:
+        """Whether the token decodes to something by itself (once per token id: tokens without text
+        between a character's bytes are walked over every token until the character completes)."""
         known = self._token_has_text.get(token)
         if known is None:
             known = self._token_has_text[token] = bool(self._decode([token]))

@@ -212,6 +212,35 @@ async def test_a_hung_target_replica_is_passed_over_like_one_that_is_down() -> N
             task.cancel()
 
 
+async def test_a_verify_that_timed_out_is_charged_to_the_replica_it_went_to() -> None:
+    """By the time a hung call times out its replica may be passed over and the session map to
+    another: the timeout was charged to that other replica, which had never failed a call."""
+    from orchestrator.routing import ReplicaEjection, ReplicaPool, RoutedTarget
+    now = [0.0]
+
+    class _PassedOverMeanwhile(_HungTarget):
+        async def verify(self, session_id, *args):
+            for now[0] in (0.0, 1.5):  # other calls on this replica fail while this one hangs
+                pool.ejection.failed(owner)
+            return await super().verify(session_id, *args)
+    backends = {"10.0.0.1:1": _PassedOverMeanwhile(), "10.0.0.2:1": _PassedOverMeanwhile()}
+    pool = ReplicaPool("target", ",".join(backends), lambda address: backends[address])
+    pool.ejection = ReplicaEjection(clock=lambda: now[0])
+    owner = pool.node_for("s")
+    engine = GenerationEngine(_FakeDraft(), RoutedTarget(pool), ByteTokenizer(),
+                              WorkerDescription("target", "fake", 260, 4096, [257]),
+                              limits=EngineLimits(target_timeout_s=0.05))
+    params = GenerateParams(prompt_ids=(1, 2, 3), max_new_tokens=4, session_id="s", speculation=SpeculationOverride(fixed_k=0))
+    try:
+        with pytest.raises(WorkerUnavailable, match="did not answer"):
+            async for _ in engine.generate(params):
+                pass
+        assert set(pool.ejection._failing) == {owner}
+    finally:
+        for task in list(engine._background):
+            task.cancel()
+
+
 async def test_deadline_and_cancellation_leak_nothing(stack) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stack.generate(prompt_ids=PROMPT, max_new_tokens=3000, timeout=0.3, speculation={"fixed_k": 0})
@@ -465,10 +494,25 @@ async def test_a_new_session_waits_for_the_workers_to_end_the_last_one_on_its_id
     engine = GenerationEngine(_FakeDraft(), target, ByteTokenizer(), WorkerDescription("target", "fake", 260, 4096, [257]))
     dropped = engine.sessions.get_or_create("s", False, SessionStats)
     assert engine.sessions.discard(dropped)
-    engine._end_on_workers(dropped)
+    engine._end_on_workers(dropped.session_id)
     params = GenerateParams(prompt_ids=(1, 2, 3), max_new_tokens=4, session_id="s", speculation=SpeculationOverride(fixed_k=0))
     [event async for event in engine.generate(params, timeout_s=5)]
     assert target.log[0] == ("end", "s", -1) and all(entry[0] == "verify" for entry in target.log[1:])
+    # An explicit EndSession, and the next request on the id at once: its end landed mid-turn too.
+    target.log.clear()
+    ended = asyncio.create_task(engine.end_session("s"))
+    await asyncio.sleep(0)
+    [event async for event in engine.generate(params, timeout_s=5)]
+    assert await ended and target.log[0] == ("end", "s", -1) and all(e[0] == "verify" for e in target.log[1:])
+    # Cancelled while it waits for that end: the new session is dropped (not left empty).
+    await engine.end_session("s")
+    engine._end_on_workers("s")
+    waiting = asyncio.create_task(anext(aiter(engine.generate(params, timeout_s=5))))
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert engine.sessions.get("s") is None
 
 
 def test_a_session_keeps_one_kind_of_input() -> None:
