@@ -142,7 +142,7 @@ class GenerationEngine:
         while (session := self.sessions.get(session_id)) is not None:
             # Wait for a generation in flight on this session: ending it mid-round would let that
             # round re-create worker caches for a session that no longer exists. By then the id may
-            # hold another session (a waiting request took it over from a failed first turn): its too.
+            # hold another session (a waiting request took it over from a failed first turn): that one too.
             async with session.lock:
                 if found := self.sessions.get(session_id) is session:
                     self.sessions.remove(session_id)

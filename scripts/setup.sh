@@ -14,6 +14,20 @@ fi
 # configuration that serves 2.13.0+cpu works too where that index cannot be reached (pip then warns
 # and goes on); TORCH_INDEX_URL="" uses pip's configuration alone, another URL another build.
 TORCH_INDEX_URL="${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}"
+# An index out of reach costs pip about 8 s of retries for torch and for each of its dependencies:
+# looked at once here, and left out if it does not answer.
+if [ -n "$TORCH_INDEX_URL" ] && ! .venv/bin/python - "$TORCH_INDEX_URL" <<'PROBE'
+import sys
+import urllib.request
+try:
+    urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10).read(1)
+except Exception as exc:  # noqa: BLE001 - any failure: not reachable from here
+    print(f"setup: {sys.argv[1]} is out of reach ({exc}); torch comes from pip's own configuration")
+    sys.exit(1)
+PROBE
+then
+    TORCH_INDEX_URL=""
+fi
 .venv/bin/python -m pip install --quiet ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[worker,test]"
 .venv/bin/python scripts/gen_protos.py
