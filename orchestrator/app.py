@@ -218,13 +218,10 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):  # 0 made the DNS refresh a busy loop
             raise SystemExit(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {value}")
-    security.check_tls_flags(
-        {"--tls-cert": args.tls_cert, "--tls-key": args.tls_key, "--worker-ca": args.worker_ca,
-         "--worker-client-cert": args.worker_client_cert, "--worker-client-key": args.worker_client_key,
-         "--worker-server-name": args.worker_server_name},
-        {"--tls-cert": ("--tls-key",), "--tls-key": ("--tls-cert",),
-         "--worker-client-cert": ("--worker-client-key", "--worker-ca"),
-         "--worker-client-key": ("--worker-client-cert", "--worker-ca"), "--worker-server-name": ("--worker-ca",)})
+    security.check_tls_flags(args, {"--tls-cert": ("--tls-key",), "--tls-key": ("--tls-cert",),
+                                    "--worker-client-cert": ("--worker-client-key", "--worker-ca"),
+                                    "--worker-client-key": ("--worker-client-cert", "--worker-ca"),
+                                    "--worker-server-name": ("--worker-ca",)})
     spec = SpeculationConfig.from_toml(args.config) if args.config else SpeculationConfig()
     flags = {"policy": args.policy, "min_k": args.min_k, "max_k": args.max_k, "fixed_k": args.fixed_k,
              "min_draft_prob": args.min_draft_prob, "pipeline": args.pipeline}

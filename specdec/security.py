@@ -19,11 +19,13 @@ def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
 
-def check_tls_flags(pairs: dict[str, str | None], needs: dict[str, tuple[str, ...]]) -> None:
-    """Refuse (SystemExit) TLS flags given without their partners: `pairs` are flag -> value, `needs`
-    flag -> the flags it needs. A half-given pair ran plaintext, the bearer tokens in clear."""
+def check_tls_flags(args: Any, needs: dict[str, tuple[str, ...]]) -> None:
+    """Refuse (SystemExit) TLS flags given without their partners: `needs` maps a flag to the flags it
+    needs, read from the parsed `args`. A half-given pair ran plaintext, the bearer tokens in clear."""
+    def given(flag: str) -> bool:
+        return bool(getattr(args, flag.removeprefix("--").replace("-", "_")))
     for flag, partners in needs.items():
-        missing = [p for p in partners if pairs.get(flag) and not pairs.get(p)]
+        missing = [p for p in partners if given(flag) and not given(p)]
         if missing:
             raise SystemExit(f"{flag} needs {' and '.join(missing)} (without them the service would run "
                              "without TLS)")

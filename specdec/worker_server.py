@@ -192,9 +192,8 @@ def check_worker_flags(args: argparse.Namespace) -> None:
     if not math.isfinite(args.calibration_s):
         raise SystemExit(f"--calibration-s must be a number of seconds (0 skips), got {args.calibration_s}")
     from specdec import security
-    security.check_tls_flags({"--tls-cert": args.tls_cert, "--tls-key": args.tls_key, "--tls-client-ca": args.tls_client_ca},
-                             {"--tls-cert": ("--tls-key",), "--tls-key": ("--tls-cert",),
-                              "--tls-client-ca": ("--tls-cert", "--tls-key")})
+    security.check_tls_flags(args, {"--tls-cert": ("--tls-key",), "--tls-key": ("--tls-cert",),
+                                    "--tls-client-ca": ("--tls-cert", "--tls-key")})
 
 
 def store_limits(args: argparse.Namespace) -> StoreLimits:
