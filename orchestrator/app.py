@@ -222,6 +222,9 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
                                     "--worker-client-cert": ("--worker-client-key", "--worker-ca"),
                                     "--worker-client-key": ("--worker-client-cert", "--worker-ca"),
                                     "--worker-server-name": ("--worker-ca",)})
+    if args.auth_token_file and not args.tls_cert:  # allowed: TLS may end at a mesh sidecar in front
+        log.warning("--auth-token-file without --tls-cert/--tls-key: bearer tokens arrive in plaintext "
+                    "unless a proxy in front of this port terminates TLS")
     spec = SpeculationConfig.from_toml(args.config) if args.config else SpeculationConfig()
     flags = {"policy": args.policy, "min_k": args.min_k, "max_k": args.max_k, "fixed_k": args.fixed_k,
              "min_draft_prob": args.min_draft_prob, "pipeline": args.pipeline}

@@ -162,7 +162,7 @@ def fetch(name: str, force: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Fetch and convert the embedded model pair (offline after this).")
+    parser = argparse.ArgumentParser(prog="specdec fetch-models", description="Fetch and convert the embedded model pair (offline after this).")
     parser.add_argument("names", nargs="*", default=["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"],
                         help=f"models to fetch (default: the pair); known: {', '.join(EMBEDDED_MODELS)}")
     parser.add_argument("--force", action="store_true")

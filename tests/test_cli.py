@@ -38,3 +38,16 @@ def test_a_service_that_died_during_the_run_keeps_the_logs() -> None:
     assert exited_early({"target": None, "draft": None, "orchestrator": None}) == []
     assert exited_early({"target": None, "draft": 0}) == []
     assert exited_early({"target": None, "draft": -9, "orchestrator": 1}) == ["draft", "orchestrator"]
+
+
+def test_each_command_help_names_its_command(capsys) -> None:
+    """`specdec X --help` shows `usage: specdec X`, the line a user copies (fetch-models printed
+    `usage: specdec [-h] ...`, which does not run)."""
+    import pytest
+
+    from specdec.cli import COMMANDS, main
+    for command in COMMANDS:
+        with pytest.raises(SystemExit) as exited:
+            main([command, "--help"])
+        assert exited.value.code == 0, command
+        assert capsys.readouterr().out.startswith(f"usage: specdec {command}"), command

@@ -185,10 +185,17 @@ async def test_prometheus_metrics() -> None:
                      "specdec_acceptance_rate", 'specdec_round_duration_seconds_count{part="verify"}',
                      "specdec_fallback_rounds_total", "specdec_reprefills_total", "specdec_request_duration_seconds"):
             assert name in body, name
-        worker_body = generate_latest(worker_registry(stack.target.core)).decode()
+        worker_body = generate_latest(worker_registry(stack.target.core, stack.target.scheduler)).decode()
         for name in ('specdec_worker_sessions{role="target"}', "specdec_worker_cache_bytes",
                      "specdec_worker_fed_tokens_total", "specdec_worker_evictions_total"):
             assert name in worker_body, name
+        # Every metric the docs name is one a query can find: a sample, or a histogram's family name
+        # (adaptive-k.md once named the counter specdec_guard_rounds, which PromQL finds nothing for).
+        exported = set(re.findall(r"^# TYPE (\S+)", body + worker_body, re.M))
+        exported |= set(re.findall(r"^(specdec_\w+)", body + worker_body, re.M))
+        for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+            for name in set(re.findall(r"\bspecdec_[a-z_]*[a-z]\b", doc.read_text())):
+                assert name in exported, f"{doc.name} names {name}, which no /metrics exports"
     finally:
         await stop_orchestrator(handle, backends)
         await stack.close()

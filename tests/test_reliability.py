@@ -4,8 +4,10 @@ Every server is a real gRPC server on 127.0.0.1; crashes and SIGTERM use real pr
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -760,3 +762,22 @@ def test_orchestrator_flags_are_checked_before_it_waits_for_the_workers() -> Non
                   ["--worker-server-name", "w"]):
         with pytest.raises(SystemExit, match="needs"):
             config_from_args(parser.parse_args(base + flags))
+
+
+def test_bearer_tokens_without_tls_are_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Tokens over plaintext are allowed (TLS may end at a mesh sidecar) but never silently."""
+    import argparse
+
+    from orchestrator.app import add_args, config_from_args
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    base = ["--draft", "d:1", "--target", "t:1", "--auth-token-file", str(tokens)]
+    with caplog.at_level(logging.WARNING, logger="orchestrator.app"):
+        assert config_from_args(parser.parse_args(base)).auth_tokens == ("s3cret",)
+    assert "plaintext" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="orchestrator.app"):
+        config_from_args(parser.parse_args(base + ["--tls-cert", "c.pem", "--tls-key", "k.pem"]))
+    assert "plaintext" not in caplog.text
