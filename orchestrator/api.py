@@ -22,6 +22,7 @@ class GenerateParams:
     top_p: float = 1.0
     seed: int | None = None
     speculation: SpeculationOverride = SpeculationOverride()
+    resume_session: bool = False  # NOT_FOUND unless the orchestrator holds session_id's history
 
 
 @dataclass

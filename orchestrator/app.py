@@ -76,6 +76,7 @@ async def wait_for_workers(target: Any, draft: Any, timeout_s: float) -> tuple[A
     return target_info, await wait_for_worker(draft, timeout_s - (asyncio.get_running_loop().time() - started))
 
 
+SETTLE_S = 5.0  # at shutdown, the most to wait for sessions being ended on the workers
 RTT_PINGS = 3  # GetInfo calls per worker at startup; the fastest one is the round trip
 
 
@@ -243,9 +244,10 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    handle, _, backends = await start_orchestrator(config_from_args(args))
+    handle, servicer, backends = await start_orchestrator(config_from_args(args))
     try:
         await grpc_util.run_until_signalled(handle, args.grace_s, args.port_file, drain_delay_s=args.drain_delay_s)
+        await servicer.engine.settle(SETTLE_S)  # else their caches stay on the workers until the TTL
     finally:
         for backend in backends:
             await backend.close()

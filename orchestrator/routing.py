@@ -29,13 +29,16 @@ MAX_REPLICA_ENTRIES = 1024  # per-replica state is bounded: replicas come and go
 
 
 def bounded_entry(entries: dict[str, V], key: str, make: Callable[[], V]) -> V:
-    """entries[key] of a map keyed by replica (or replica pair), created on first use; the oldest
-    entry goes when the map holds MAX_REPLICA_ENTRIES."""
-    if key not in entries:
+    """entries[key] of a map keyed by replica (or replica pair), created on first use; the least
+    recently used entry goes when the map holds MAX_REPLICA_ENTRIES (the oldest one went: a pair in
+    use on every request lost its guard and prior once per 1,024 new pairs)."""
+    value = entries.pop(key, None)
+    if value is None:
         if len(entries) >= MAX_REPLICA_ENTRIES:
             entries.pop(next(iter(entries)))
-        entries[key] = make()
-    return entries[key]
+        value = make()
+    entries[key] = value  # (re)inserted last: dicts keep insertion order
+    return value
 
 
 def _point(key: str) -> int:

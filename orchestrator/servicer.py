@@ -53,7 +53,7 @@ def params_from_pb(req: orchestrator_pb2.GenerateRequest) -> GenerateParams:
         top_k=req.top_k if req.HasField("top_k") else 0,
         top_p=req.top_p if req.HasField("top_p") else 1.0,
         seed=req.seed if req.HasField("seed") else None,
-        speculation=override)
+        speculation=override, resume_session=req.resume_session)
 
 
 def stats_to_pb(s: GenerationStats) -> orchestrator_pb2.GenerationStats:

@@ -128,8 +128,8 @@ class OrchestratorSessions:
     def get(self, session_id: str) -> OrchestratorSession | None:
         return self._sessions.get(session_id)
 
-    def get_or_create(self, session_id: str, ephemeral: bool,
-                      new_stats: Callable[[], SessionStats]) -> OrchestratorSession:
+    def get_or_create(self, session_id: str, ephemeral: bool, new_stats: Callable[[], SessionStats],
+                      must_exist: bool = False) -> OrchestratorSession:
         self._expire()
         session = self._sessions.get(session_id)
         if session is None:
@@ -137,6 +137,10 @@ class OrchestratorSessions:
             if why is not None:
                 raise SessionNotFound(f"session {session_id!r} {why}, and its history with it; send the "
                                       "whole conversation again (this id now starts a new session)")
+            if must_exist:
+                raise SessionNotFound(f"session {session_id!r} is not held by this orchestrator (ended, "
+                                      "expired, evicted, or lost with a restart); send the whole "
+                                      "conversation again without resume_session")
             session = OrchestratorSession(session_id, ephemeral, stats=new_stats())
             self._sessions[session_id] = session
             self._enforce_limit(keep=session_id)
@@ -148,10 +152,11 @@ class OrchestratorSessions:
         return session
 
     async def take(self, session_id: str, ephemeral: bool, new_stats: Callable[[], SessionStats],
-                   wait_s: float) -> OrchestratorSession:
-        """The session (made if new), taken for a turn: SessionBusy while another turn runs on it."""
+                   wait_s: float, must_exist: bool = False) -> OrchestratorSession:
+        """The session (made if new, unless must_exist), taken for a turn: SessionBusy while another
+        turn runs on it."""
         while True:
-            session = self.get_or_create(session_id, ephemeral, new_stats)
+            session = self.get_or_create(session_id, ephemeral, new_stats, must_exist)
             await session.begin_turn(wait_s)
             if self._sessions.get(session_id) is session:
                 return session

@@ -72,12 +72,22 @@ def extend_context_key(key: int, token: int) -> int:
     return int.from_bytes(digest.digest(), "little") or 1
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Compared by slices, which run in C, halving the range around the first difference: the
+    orchestrator does this several times a round on its event loop, and an element-by-element loop
+    took 4 ms a round at 32k tokens of context."""
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; the first difference, if any, is before hi
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[lo] == b[lo]:
+        lo += 1
+    return lo
 
 
 # ----------------------------------------------------------------------------- messages

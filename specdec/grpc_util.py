@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+UNWIND_S = 0.1  # at shutdown, after the grace: for the cancelled handlers to finish
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -196,4 +197,7 @@ async def run_until_signalled(handle: ServerHandle, grace_s: float, port_file: s
     if on_stop:
         await on_stop()
     await handle.stop(grace_s, drain_delay_s)
+    # gRPC cancelled the calls still running at the end of the grace: let their handlers unwind
+    # before the caller closes what they use (else each logged an ERROR with a traceback at exit).
+    await asyncio.sleep(UNWIND_S)
     log.info("stopped")

@@ -426,3 +426,15 @@ def test_bearer_scheme_is_case_insensitive_and_any_authorization_value_may_carry
     for refused in ((), (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),),
                     (("authorization", "Basic s3cret"),), (("authorization", "Bearer"),)):
         assert not auth._authorized(refused), refused
+
+
+def test_per_pair_state_keeps_the_pairs_in_use() -> None:
+    """Guards, priors and draft health per replica (pair) are bounded; the pair used on every
+    request was dropped like any other once 1,024 newer ones had come (its learning reset)."""
+    from orchestrator.routing import MAX_REPLICA_ENTRIES, bounded_entry
+    entries: dict[str, object] = {}
+    hot = bounded_entry(entries, "hot", object)
+    for i in range(3 * MAX_REPLICA_ENTRIES):
+        bounded_entry(entries, f"pair{i}", object)
+        assert bounded_entry(entries, "hot", object) is hot
+    assert len(entries) == MAX_REPLICA_ENTRIES and "pair0" not in entries

@@ -104,3 +104,25 @@ async def test_ephemeral_requests_leave_no_sessions(stack) -> None:
         await asyncio.sleep(0.02)
     assert len(stack.target.core.store) == 0 and len(stack.draft.core.store) == 0
     assert len(stack.orch.engine.sessions) == 0
+
+
+async def test_resume_session_refuses_an_id_without_history(stack) -> None:
+    """Tombstones are bounded and die with the process: past them an expired session's next turn
+    was answered from its new input alone. A client that says it continues gets NOT_FOUND instead."""
+    import grpc
+    import pytest
+    stack.orch.engine.sessions.TOMBSTONES = 0  # the orchestrator no longer remembers any ended id
+    first = await stack.generate(prompt_ids=TURN1, max_new_tokens=8, session_id="conv")
+    second = await stack.generate(prompt_ids=TURN2, max_new_tokens=8, session_id="conv", resume_session=True)
+    assert second.stats.prompt_tokens == len(TURN1) + len(first.token_ids) + len(TURN2)
+    stack.orch.engine.sessions._evict("conv", "was evicted (test)")
+    for kwargs in ({"session_id": "conv"}, {"session_id": "never-seen"}):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stack.generate(prompt_ids=TURN2, max_new_tokens=8, resume_session=True, **kwargs)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "resume_session" in err.value.details()
+    assert stack.orch.engine.sessions.get("never-seen") is None  # refused without making one
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stack.generate(prompt_ids=TURN2, max_new_tokens=8, resume_session=True)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Without the flag the id starts afresh, as before.
+    assert (await stack.generate(prompt_ids=TURN2, max_new_tokens=8, session_id="conv")).stats.prompt_tokens == len(TURN2)

@@ -62,7 +62,7 @@ class SpeculationOptions(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., min_k: _Optional[int] = ..., max_k: _Optional[int] = ..., fixed_k: _Optional[int] = ..., min_draft_prob: _Optional[float] = ..., pipeline: bool = ..., pipeline_branches: _Optional[int] = ..., overlap_prefill: bool = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "messages", "session_id", "max_new_tokens", "stop", "temperature", "top_k", "top_p", "seed", "speculation")
+    __slots__ = ("prompt", "prompt_ids", "messages", "session_id", "max_new_tokens", "stop", "temperature", "top_k", "top_p", "seed", "speculation", "resume_session")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class GenerateRequest(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SESSION_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: TokenIds
     messages: ChatMessages
@@ -85,7 +86,8 @@ class GenerateRequest(_message.Message):
     top_p: float
     seed: int
     speculation: SpeculationOptions
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ...) -> None: ...
+    resume_session: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., resume_session: bool = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "accepted_per_position", "k_per_round", "draft_ms", "verify_ms", "overhead_ms", "total_ms", "tokens_per_second", "new_tokens", "reprefills", "bytes_to_draft", "bytes_to_target", "seed", "fallback_rounds", "prompt_tokens", "cached_prompt_tokens", "bytes_from_draft", "bytes_from_target", "predraft_hits", "predraft_misses", "predraft_saved_ms", "predraft_branch_hits", "guard_off_rounds", "accepted_per_round")
