@@ -36,11 +36,6 @@ def slot_key(session_id: str, slot: int) -> str:
     return session_id if slot == 0 else f"{session_id}\x00{slot}"
 
 
-def is_branch_key(key: str) -> bool:
-    """Whether a worker's key (slot_key) names a branch slot rather than a session's own cache."""
-    return "\x00" in key
-
-
 def session_of(key: str) -> str:
     """The session a worker's key (slot_key) belongs to."""
     return key.split("\x00", 1)[0]

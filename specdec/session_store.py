@@ -65,10 +65,16 @@ class SessionStore(Generic[T]):
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._slots
 
-    def count(self, which: Callable[[str], bool]) -> int:
-        """Sessions whose keys `which` selects (any thread)."""
+    def keys(self) -> list[str]:
+        """The keys held, in LRU order (any thread)."""
         with self._lock:
-            return sum(1 for key in self._slots if which(key))
+            return list(self._slots)
+
+    def peek(self, session_id: str) -> T | None:
+        """The value, without using it (its LRU place and idle time stay)."""
+        with self._lock:
+            slot = self._slots.get(session_id)
+            return slot.value if slot else None
 
     def total_bytes(self) -> int:
         """Bytes the caches hold now (any thread): the sessions in use measured afresh."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from specdec.contract import (EMPTY_CONTEXT_KEY, MAX_BRANCH_SLOTS, CallStats, CallTimer, Commit, CostCurve,
-                              extend_context_key, is_branch_key, prefix_hash, slot_key, validate_session_id)
+                              extend_context_key, prefix_hash, session_of, slot_key, validate_session_id)
 from specdec.errors import CacheMismatch, CapacityExceeded, InvalidRequest, SessionNotFound, SpecdecError
 from specdec.models import LoadedModel, cache_nbytes, copy_cache, crop_cache, estimate_kv_bytes_per_token, new_cache
 from specdec.session_store import SessionStore
@@ -30,6 +30,9 @@ class WorkerSession:
     tokens: list[int] = field(default_factory=list)
     # context_key of tokens[:i + 1] at i: filled on demand (only the draft asks), cut with the tokens.
     prefix_keys: array = field(default_factory=lambda: array("Q"))
+    # A copy the session has moved on from: a pre-draft's branch not (yet) taken, or the slot a taken
+    # branch replaced. Evicted before live caches (begin_steps marks the slots of its session).
+    stale: bool = False
 
     def context_key(self) -> int:
         """The draft's key of all the session's tokens (contract.extend_context_key chained over them)."""
@@ -129,8 +132,21 @@ class WorkerCore:
         return any([self.store.pop(slot_key(session_id, slot)) is not None for slot in range(MAX_BRANCH_SLOTS + 1)])
 
     def session_count(self) -> int:
-        """Sessions held, not counting the branch slots of pipelined pre-drafts (any thread)."""
-        return self.store.count(lambda key: not is_branch_key(key))
+        """Sessions held, however many slots each has (any thread)."""
+        return len({session_of(key) for key in self.store.keys()})
+
+    def _mark_live_slot(self, session_id: str, live: int) -> None:
+        """The session's text is on slot `live` (the slot of a call that does not fork; the source of
+        one that does): its other slots are stale copies. Eviction went by 'is a branch key', which
+        after a taken branch evicted the live cache and kept the stale one on slot 0."""
+        for slot in range(MAX_BRANCH_SLOTS + 1):
+            session = self.store.peek(slot_key(session_id, slot))
+            if session is not None:
+                session.stale = slot != live
+
+    def _stale(self, key: str) -> bool:
+        session = self.store.peek(key)
+        return session is not None and session.stale
 
     def session_tokens(self, session_id: str) -> list[int] | None:
         session = self.store.get(session_id)
@@ -260,6 +276,7 @@ class WorkerCore:
         self.check_tokens(extra_tokens, "tokens")
         if fork_from is not None:
             self.fork(session_id, fork_from, slot, commit)
+        self._mark_live_slot(session_id, slot if fork_from is None else fork_from)
         session_id = slot_key(session_id, slot)
         session = self._checkout(session_id, commit)
         feed_tokens = list(commit.append_tokens)
@@ -313,7 +330,7 @@ class WorkerCore:
                 f"{total_tokens} tokens for session {session_id!r} next to the sessions in use")
         self.store.pin(session_id, reserve_bytes=needed)
         if needed:
-            self.store.enforce_budget(first=is_branch_key)  # branches first
+            self.store.enforce_budget(first=self._stale)  # stale copies first
 
     def timed(self) -> CallTimer:
         self.counters.calls += 1

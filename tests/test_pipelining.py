@@ -603,19 +603,30 @@ async def test_a_draft_that_ignores_slots_turns_branches_off() -> None:
         await stack.close()
 
 
-def test_branch_copies_are_evicted_before_sessions() -> None:
-    from specdec.contract import is_branch_key, slot_key
-    from specdec.session_store import SessionStore
+def test_stale_slot_copies_are_evicted_before_live_caches() -> None:
+    """A branch not taken, and the slot a taken branch replaced, go first; the live cache stays,
+    on whichever slot it is. Eviction went by 'is a branch key': after a taken branch it evicted
+    the live cache and kept the stale copy on slot 0."""
+    from draft_worker.engine import DraftEngine, ProposeParams
+    from specdec.contract import Commit, SamplingConfig, prefix_hash, slot_key
+    from specdec.models import load_model
+    from specdec.worker_core import StoreLimits, WorkerCore
 
-    class Item:
-        def nbytes(self) -> int:
-            return 10
-    store: SessionStore[Item] = SessionStore(max_bytes=30, ttl_s=60.0)
-    for key in ("a", slot_key("a", 1), "b", slot_key("b", 2)):
-        store.put(key, Item())
-    assert store.enforce_budget(first=is_branch_key) == [slot_key("a", 1)]
-    assert "a" in store and "b" in store and slot_key("b", 2) in store
-    assert store.enforce_budget(extra_bytes=10) == ["a"]  # without a preference: LRU order
+    core = WorkerCore(load_model("tiny:seed=0,noise=0.03"), "draft", StoreLimits(max_sessions=3))
+    engine, greedy = DraftEngine(core), SamplingConfig()
+    text = [5, 6, 7, 8, 9]
+    engine.propose(ProposeParams("s", Commit(0, 0, tuple(text)), 2, greedy))
+    fork = Commit(len(text), prefix_hash(text), (42,))
+    taken = engine.propose(ProposeParams("s", fork, 2, greedy, slot=1, fork_from=0))  # pre-drafts
+    engine.propose(ProposeParams("s", fork, 2, greedy, slot=2, fork_from=0))
+    on_branch = text + [42] + taken.tokens[:1]
+    engine.propose(ProposeParams("s", Commit(len(on_branch), prefix_hash(on_branch), (7,)), 2, greedy, slot=1))
+    assert core.session_count() == 1 and len(core.store) == 3  # slot 1 took over the session
+    engine.propose(ProposeParams("t", Commit(0, 0, (3, 4)), 2, greedy))
+    engine.propose(ProposeParams("u", Commit(0, 0, (3, 4)), 2, greedy))  # each over max_sessions once
+    assert slot_key("s", 1) in core.store and "t" in core.store and "u" in core.store
+    assert "s" not in core.store and slot_key("s", 2) not in core.store
+    assert core.session_count() == 3
 
 
 def test_netbench_smoke_runs_every_system_and_reads_its_traces(tmp_path) -> None:
