@@ -111,6 +111,7 @@ class EngineLimits:
     max_stop_strings: int = 16
     max_stop_chars: int = 1024  # each stop string's length: every round searches the tail that long
     max_sessions: int = 10_000
+    max_session_tokens: int = 16_000_000  # over all sessions' histories: about 0.8 GB here
     session_ttl_s: float = 600.0
     # How long a round keeps retrying an unreachable target (a restart) before UNAVAILABLE.
     target_retry_s: float = 10.0

@@ -197,6 +197,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=32)
     parser.add_argument("--rate-per-s", type=float, default=0.0, help="admission rate limit (0: off)")
     parser.add_argument("--max-sessions", type=int, default=10_000)
+    parser.add_argument("--max-session-tokens", type=int, default=16_000_000,
+                        help="tokens of history held over all sessions (about 50 bytes each); least "
+                             "recently used sessions are evicted beyond it")
     parser.add_argument("--session-ttl-s", type=float, default=600.0)
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time for in-flight requests on SIGTERM")
     parser.add_argument("--drain-delay-s", type=float, default=0.0,
@@ -215,6 +218,9 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         Admission.check_limits(args.max_concurrent, args.max_queue, args.rate_per_s)
     except ValueError as exc:
         raise SystemExit(f"--max-concurrent, --max-queue, --rate-per-s: {exc}") from None
+    for flag in ("max_sessions", "max_session_tokens"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     for flag in ("connect_timeout_s", "discovery_refresh_s", "target_timeout_s"):
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):  # 0 made the DNS refresh a busy loop
@@ -231,6 +237,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
              "min_draft_prob": args.min_draft_prob, "pipeline": args.pipeline}
     spec = spec.with_values({k: v for k, v in flags.items() if v is not None}, "flags")  # flags beat the file
     limits = EngineLimits(max_new_tokens=args.max_new_tokens_limit, max_sessions=args.max_sessions,
+                          max_session_tokens=args.max_session_tokens,
                           session_ttl_s=args.session_ttl_s, target_timeout_s=args.target_timeout_s)
     return OrchestratorConfig(args.draft, args.target, args.tokenizer, spec, limits, args.max_concurrent,
                               args.max_queue, args.rate_per_s, args.host, args.port, trace_file=args.trace_file,

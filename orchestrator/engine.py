@@ -70,7 +70,8 @@ class GenerationEngine:
         # One guard per worker pair: it measures whether the pair as a whole gains by speculating.
         self.guards: dict[str, PairGuard] = {}
         self.sessions = OrchestratorSessions(limits.max_sessions, limits.session_ttl_s,
-                                             lambda evicted: self._end_on_workers(evicted.session_id))
+                                             lambda evicted: self._end_on_workers(evicted.session_id),
+                                             max_tokens=limits.max_session_tokens)
         self._background: set[asyncio.Task[Any]] = set()
         self._ending: dict[str, asyncio.Task[Any]] = {}  # session id -> its worker sessions being ended
         # Ends go to the workers a few at a time: when thousands of sessions expire together (the

@@ -67,6 +67,7 @@ class OrchestratorSession:
     # Its first turn failed, so it was dropped (a request waiting for it starts a new session).
     discarded: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    held_tokens: int = 0  # its tokens as counted against the token budget (at the end of its last turn)
 
     async def begin_turn(self, wait_s: float) -> None:
         """Take the session for a turn (release: lock.release()). Refused as busy while another turn
@@ -104,7 +105,9 @@ class OrchestratorSession:
 
 
 class OrchestratorSessions:
-    """Bounded: at most max_sessions (LRU) and idle TTL; evicted sessions end on the workers too.
+    """Bounded: at most max_sessions and max_tokens (LRU) and idle TTL; evicted sessions end on the
+    workers too. The token budget bounds the memory: each context token costs about 50 bytes here
+    (the canonical list and the workers' views), and 10,000 sessions of 8k tokens took 3.9 GiB.
 
     A session's history lives only here: the next turn on an evicted or expired id is refused once
     with NOT_FOUND (the id is remembered, up to TOMBSTONES of them), instead of quietly starting an
@@ -114,8 +117,10 @@ class OrchestratorSessions:
 
     def __init__(self, max_sessions: int, ttl_s: float,
                  on_evict: Callable[[OrchestratorSession], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_tokens: int | None = None) -> None:
         self.max_sessions = max_sessions
+        self.max_tokens = max_tokens
+        self.tokens = 0  # held_tokens over the sessions
         self.ttl_s = ttl_s
         self._on_evict = on_evict
         self._clock = clock
@@ -179,11 +184,20 @@ class OrchestratorSessions:
         session.last_used = self._clock()
         if self._sessions.get(session.session_id) is session:
             self._sessions.move_to_end(session.session_id)
+            self.tokens += len(session.tokens) - session.held_tokens
+            session.held_tokens = len(session.tokens)
+            self._enforce_tokens()
 
     def remove(self, session_id: str) -> OrchestratorSession | None:
         """The session ends (its id starts a new one next time, also after an eviction)."""
         self._gone.pop(session_id, None)
-        return self._sessions.pop(session_id, None)
+        return self._pop(session_id)
+
+    def _pop(self, session_id: str) -> OrchestratorSession | None:
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self.tokens -= session.held_tokens
+        return session
 
     def _expire(self) -> None:
         # In order of last use (get_or_create and touch move a session to the end): the expired ones
@@ -205,8 +219,18 @@ class OrchestratorSessions:
             if sid != keep and not self._sessions[sid].lock.locked():
                 self._evict(sid, f"was evicted (more than {self.max_sessions} sessions)")
 
+    def _enforce_tokens(self) -> None:
+        if self.max_tokens is None or self.tokens <= self.max_tokens:
+            return
+        for sid in list(self._sessions):  # least recently used first; never one in a turn
+            if self.tokens <= self.max_tokens:
+                break
+            if not self._sessions[sid].lock.locked():
+                self._evict(sid, f"was evicted (sessions held more than {self.max_tokens} tokens)")
+
     def _evict(self, session_id: str, why: str) -> None:
-        session = self._sessions.pop(session_id)
+        session = self._pop(session_id)
+        assert session is not None
         log.info("evicting orchestrator session %s: %s", session_id, why)
         if not session.ephemeral:
             self._gone[session_id] = why

@@ -409,6 +409,28 @@ async def test_orchestrator_session_state_is_bounded() -> None:
         await stack.close()
 
 
+async def test_orchestrator_histories_are_bounded_in_tokens() -> None:
+    """A count alone did not bound the memory: 10,000 sessions of 8k tokens took 3.9 GiB (about 50
+    bytes a token), over the k8s limit of 2 GiB. Past the token budget the least recently used
+    sessions go (NOT_FOUND next time, as for any eviction); the total follows turns and ends."""
+    stack = await start_stack(engine_limits=EngineLimits(max_session_tokens=100))
+    sessions = stack.orch.engine.sessions
+    try:
+        for n in range(6):  # 10 prompt + 10 new tokens each: 5 fit
+            await stack.generate(prompt_ids=[n + 1] * 10, max_new_tokens=10, session_id=f"h{n}")
+            assert sessions.tokens == sum(s.held_tokens for s in sessions._sessions.values()) <= 100
+        assert sessions.get("h0") is None and sessions.tokens == 100
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stack.generate(prompt_ids=[7], max_new_tokens=4, session_id="h0")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "100 tokens" in err.value.details()
+        await stack.generate(prompt_ids=[7], max_new_tokens=10, session_id="h5")  # its second turn: 31 tokens
+        assert sessions.tokens <= 100 and sessions.get("h5") is not None and sessions.get("h1") is None
+        await stack.stub.EndSession(common_pb2.EndSessionRequest(session_id="h5"))
+        assert sessions.tokens == sum(s.held_tokens for s in sessions._sessions.values())
+    finally:
+        await stack.close()
+
+
 async def test_an_evicted_sessions_next_turn_is_told_not_given_an_empty_history() -> None:
     """A session's history lives only in the orchestrator: the next turn on an evicted id gets
     NOT_FOUND once (then the id starts afresh), not an answer from its new input alone. Sessions of
@@ -866,7 +888,8 @@ def test_orchestrator_flags_are_checked_before_it_waits_for_the_workers() -> Non
     assert config_from_args(parser.parse_args(base)).connect_timeout_s == 120.0
     for flags in (["--max-concurrent", "0"], ["--rate-per-s", "nan"], ["--rate-per-s", "-1"],
                   ["--max-queue", "-1"], ["--connect-timeout-s", "nan"], ["--connect-timeout-s", "0"],
-                  ["--discovery-refresh-s", "0"], ["--target-timeout-s", "-1"]):  # refresh 0: a busy DNS loop
+                  ["--discovery-refresh-s", "0"], ["--target-timeout-s", "-1"], ["--max-session-tokens", "0"],
+                  ["--max-sessions", "0"]):  # refresh 0: a busy DNS loop
         with pytest.raises(SystemExit, match="must be"):
             config_from_args(parser.parse_args(base + flags))
     assert config_from_args(parser.parse_args(base)).limits.target_timeout_s == 600.0
