@@ -46,11 +46,24 @@ class EmulatedLatency(grpc.aio.UnaryUnaryClientInterceptor):
         self.one_way_s = one_way_ms / 1000.0
 
     async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        # The caller's deadline covers the emulated network as it would a real one: the call itself
+        # gets what is left after both one-way delays (a deadline shorter than the round trip
+        # expires at once, as it would).
+        if client_call_details.timeout is not None:
+            left = client_call_details.timeout - 2 * self.one_way_s
+            if left <= 0:
+                await asyncio.sleep(client_call_details.timeout)
+                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), details="Deadline Exceeded (emulated network)")
+            client_call_details = client_call_details._replace(timeout=left)
         await asyncio.sleep(self.one_way_s)
         call = await continuation(client_call_details, request)
-        response = await call  # raises AioRpcError as the call would
-        await asyncio.sleep(self.one_way_s)
-        return response
+        try:
+            return await call  # raises AioRpcError as the call would
+        finally:
+            # The answer travels back, an error too; a call whose shortened deadline ran out ends
+            # here just at the caller's own deadline.
+            await asyncio.sleep(self.one_way_s)
 
 
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None,

@@ -6,6 +6,7 @@ docs/adaptive-k.md is generated from the field docs here (a test keeps them equa
 """
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
@@ -38,6 +39,14 @@ class SpeculationOverride:
     pipeline: bool | None = None
     pipeline_branches: int | None = None
     overlap_prefill: bool | None = None
+
+
+def _finite(value: int | float) -> bool:
+    """A finite float; an integer too large for a float (TOML allows any length) is not."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -138,8 +147,9 @@ class SpeculationConfig:
                 ok, wanted = isinstance(value, bool), "true or false"
             elif f.type == "int":
                 ok, wanted = isinstance(value, int) and not isinstance(value, bool), "an integer"
-            elif f.type == "float":
-                ok, wanted = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+            elif f.type == "float":  # finite: TOML reads inf and nan, and no setting here means them
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
+                wanted = "a finite number"
             else:
                 ok, wanted = isinstance(value, str), "a string"
             if not ok:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specdec import curves
+from specdec.contract import MAX_K
 
 
 @dataclass
@@ -30,8 +31,11 @@ class Ewma:
     observations: int = 0
     prior_weight: float = math.inf
 
-    def update(self, x: float) -> None:
+    def update(self, x: float, kept: float = 1.0) -> None:
+        """kept < 1: the current value is staler than one observation's age, and keeps only that
+        share of its usual weight (see TimingModel.observe_draft)."""
         weight = max(self.alpha, 1.0 / (self.observations + 1.0 + self.prior_weight))
+        weight = 1.0 - (1.0 - weight) * kept
         self.value = (1 - weight) * self.value + weight * x
         self.observations += 1
 
@@ -172,6 +176,9 @@ class TimingModel:
     # Per-k measurements win over the line: on CPUs the cost of a forward over k+1 tokens is often a
     # step function (GEMM kernels switch at a batch size), which no line captures.
     verify_by_k: dict[int, Ewma] = field(default_factory=dict)
+    verify_seed: dict[int, float] = field(default_factory=dict)  # the startup curve's cost per k (seed)
+    _verifies: int = field(default=0, repr=False, compare=False)  # verifies observed, and when each k was last
+    _verify_seen: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
     # The verify call's network + serving overhead (its wall time minus its compute). The 1 ms start is
     # a guess (prior_weight 0): the first measurement replaces it, or a ping at startup (seed_rtt).
     rtt_ms: Ewma = field(default_factory=lambda: Ewma(0.2, 1.0, prior_weight=0.0))
@@ -249,6 +256,7 @@ class TimingModel:
             self.draft_ms_per_token = Ewma(self.draft_ms_per_token.alpha, draft_ms_per_token)
         for k, ms in verify_ms_by_k.items():
             self.verify_by_k[k] = Ewma(0.3, ms)
+            self.verify_seed[k] = ms
         if len(verify_ms_by_k) >= 2:
             for k, ms in sorted(verify_ms_by_k.items()):
                 self.verify_line.update(k, ms)
@@ -261,9 +269,15 @@ class TimingModel:
         if target_rtt_ms is not None:
             self.rtt_ms = Ewma(self.rtt_ms.alpha, target_rtt_ms, prior_weight=1.0)
 
-    def observe_draft(self, k: int, compute_ms: float) -> None:
+    def observe_draft(self, k: int, compute_ms: float, unseen_rounds: int = 0) -> None:
+        """A draft call's compute over k tokens. unseen_rounds: target-only rounds since the last
+        drafting round. The draft's cost is only seen while drafting, so after a stretch at k = 0
+        the estimate is as old as that stretch: it keeps DRAFT_STALE_KEEP of its weight per round
+        unseen. Otherwise a slow spell of the draft (a neighbour's burst, a GC pause) outlived
+        itself: each probe moved the estimate 20 % of the way back, looked like a failed probe,
+        and doubled the wait for the next (a 20-round spell cost 95 target-only rounds after it)."""
         if k > 0:
-            self.draft_ms_per_token.update(compute_ms / k)
+            self.draft_ms_per_token.update(compute_ms / k, kept=DRAFT_STALE_KEEP ** max(0, unseen_rounds))
 
     def observe_verify(self, k: int, compute_ms: float, rows: float = 0.0) -> None:
         """A verify's compute time, measured in a forward of `rows` rows (0: alone), stored as what
@@ -278,6 +292,29 @@ class TimingModel:
             self.verify_by_k[k].update(compute_ms)
         else:
             self.verify_by_k[k] = Ewma(0.3, compute_ms, 1)
+        # A k is re-measured only when the policy picks it, and the envelope (solo_verify_ms) carries
+        # a smaller k's price up to every larger one: one slow k = 0 sample (a GC pause) priced
+        # every k alike, k = 0 never looked cheaper than drafting again, and the policy drafted for
+        # good (on a CPU whose verify grows with k, 40 % below target-only). So the k not measured
+        # this round learn from it too:
+        # - the costs are monotone in k: k drafts at this k's cost bound every smaller k from above;
+        # - a k not measured in the last UNSEEN_K_AFTER verifies drifts back (UNSEEN_K_RELAX a
+        #   round) towards its startup cost scaled by how this k's cost compares with its own: the
+        #   calibrated shape of the curve at the machine's current speed, the best guess for a k not
+        #   seen lately. (Not the k in use: alternating between k = 3 and 4 across a GEMM step,
+        #   relaxing both pulled each a quarter of the way towards the calibrated shape.)
+        self._verifies += 1
+        self._verify_seen[k] = self._verifies
+        current, seed_k = self.verify_by_k[k].value, self.verify_seed.get(k)
+        speed = current / seed_k if seed_k else None
+        for other_k, cost in self.verify_by_k.items():
+            if other_k == k:
+                continue
+            if other_k < k and cost.value > current:
+                cost.update(current)
+            unseen = self._verifies - self._verify_seen.get(other_k, 0) > UNSEEN_K_AFTER
+            if speed is not None and other_k in self.verify_seed and unseen:
+                cost.value += UNSEEN_K_RELAX * (self.verify_seed[other_k] * speed - cost.value)
 
     def observe_rtt(self, overhead_ms: float) -> None:
         self.rtt_ms.update(max(0.0, overhead_ms))
@@ -285,6 +322,16 @@ class TimingModel:
     def observe_draft_rtt(self, overhead_ms: float) -> None:
         self.draft_rtt_ms.update(max(0.0, overhead_ms))
 
+
+# While the draft is not seen (target-only rounds), its cost estimate keeps this share of its weight
+# per round against the next measurement: after the 16 rounds of a first probe the probe's sample
+# weighs about 85 %, after 2 rounds about 35 % (a plain 20 % while drafting). See observe_draft.
+DRAFT_STALE_KEEP = 0.9
+# Per verify measured, how far each k not measured in the last UNSEEN_K_AFTER verifies moves towards
+# its startup cost scaled to the machine's current speed (see observe_verify): 88 % of the way back
+# 20 rounds later.
+UNSEEN_K_RELAX = 0.1
+UNSEEN_K_AFTER = 4
 
 # A session follows its own text: each round decays its acceptance sums by 15 % (about 7 rounds of
 # memory). Chosen by replaying traces and synthetic acceptance (iid, bursty, mixed) through the
@@ -394,7 +441,7 @@ class SessionStats:
         steady-state speed, so they do not feed the per-k rates or the verify cost."""
         if timing:
             if record.draft_token_ms > 0:
-                self.timing.observe_draft(1, record.draft_token_ms)
+                self.timing.observe_draft(1, record.draft_token_ms, unseen_rounds=self.rounds_since_draft)
             if record.target_prefilled <= 1:
                 self.timing.observe_verify(record.drafted, record.verify_ms, record.target_rows)
             self.timing.load.target_batch.update(max(1.0, record.target_batch) + record.target_waiting)
@@ -454,6 +501,21 @@ def branch_budget(timing: TimingModel, k: int, depth: int, most: int) -> int:
         if depth * per_token * timing.draft_rows_factor(b + 1) + timing.draft_rtt_ms.value <= verify_wall:
             return b
     return 0
+
+
+def predraft_depth(k: int, max_k: int = MAX_K, timing: TimingModel | None = None) -> int:
+    """Tokens a pipelined round's pre-draft asks for after k drafts: the guess of the bonus token,
+    then k more, and one past k (so that k can grow along a run of hits) where that extra forward
+    still ends within the verify it overlaps (`timing`; always without one): a hit waits for the
+    whole pre-draft, so where the draft is the slower of the two it would cost every hit a forward.
+    Within max_k + 1 and MAX_K. The rounds (orchestrator.rounds) draft this many; the cost policy
+    prices it."""
+    depth = min(k + 1, max_k) + 1
+    if timing is not None and depth > k + 1:
+        pre_draft_ms = depth * timing.draft_ms_per_token.value + timing.draft_rtt_ms.value
+        if pre_draft_ms > timing.verify_ms(k) + timing.rtt_ms.value:
+            depth = k + 1
+    return min(depth, MAX_K)
 
 
 def draft_forwards(k: int, drafted: int) -> int:
@@ -519,9 +581,12 @@ class CostModelPolicy:
     Pipelined rounds (`pipelined`): with probability h = a^k * b (all k accepted, and the draft's
     guess of the bonus right, measured as b) the next round's drafts are ready when its verify may
     start, having run during this verify; the round then costs t_verify + rtt + whatever of the
-    pre-draft's (k+1) draft tokens outlasted the verify. Otherwise it costs what a serial round does.
-    With `branches` B, a rejection at one of the first B positions (the likeliest ones, about) also
-    hits when the branch's guess of the correction was right, measured as m: h += (1 - a^min(B, k)) * m.
+    pre-draft outlasted the verify (it drafts predraft_depth(k) tokens: the bonus guess and one
+    more than k). With `branches` B, a rejection at one of the first B positions (the likeliest
+    ones, about) also hits when the branch's guess of the correction was right, measured as m:
+    h += (1 - a^min(B, k)) * m. All k accepted but the bonus guessed wrong (a^k * (1 - b)): the
+    guess is known only when the pre-draft returns, so that round waits for it too, then drafts as
+    a serial one does. Otherwise it costs what a serial round does.
     """
     probe_every: int = 16
     pipelined: bool = False
@@ -531,7 +596,7 @@ class CostModelPolicy:
     def next_k(self, stats: SessionStats, min_k: int, max_k: int, prefill_rows: int = 0) -> int:
         best = self._argmax(stats, min_k, max_k)
         if best > 0 and prefill_rows > 1:
-            rate = self.tokens_per_ms(stats, best, self.pipelined, self.branches)
+            rate = self.tokens_per_ms(stats, best, self.pipelined, self.branches, max_k)
             best = prefill_round_k(stats, max(1, min_k), best, prefill_rows, rate)
         if best > 0:
             if stats.rounds_since_draft == 0:
@@ -551,13 +616,14 @@ class CostModelPolicy:
     def _argmax(self, stats: SessionStats, min_k: int, max_k: int) -> int:
         best_k, best_rate = min_k, -1.0
         for k in range(min_k, max_k + 1):
-            rate = self.tokens_per_ms(stats, k, self.pipelined, self.branches)
+            rate = self.tokens_per_ms(stats, k, self.pipelined, self.branches, max_k)
             if rate > best_rate + 1e-12:
                 best_k, best_rate = k, rate
         return best_k
 
     @staticmethod
-    def tokens_per_ms(stats: SessionStats, k: int, pipelined: bool = False, branches: int = 0) -> float:
+    def tokens_per_ms(stats: SessionStats, k: int, pipelined: bool = False, branches: int = 0,
+                      max_k: int = MAX_K) -> float:
         t = stats.timing
         draft_ms, verify_ms, rtt = k * t.draft_ms_per_token.value, t.verify_ms(k), t.rtt_ms.value
         draft_rtt = t.draft_rtt_ms.value
@@ -565,12 +631,16 @@ class CostModelPolicy:
         serial = draft_ms + verify_ms + rtt + (draft_rtt if k > 0 else 0.0)
         cost = serial
         if pipelined and k > 0:
-            # Hit: the pre-draft (k+1 tokens) ran during the previous verify; the round waits for
-            # whichever of the two calls ends last: max(draft, verify) + rtt.
-            a, b = stats.acceptance.value, branch_budget(t, k, k + 2, branches)  # the branches it would run
-            hit = a ** k * stats.bonus_match.value + (1.0 - a ** min(b, k)) * stats.branch_match.value
-            overhang = max(0.0, draft_ms + t.draft_ms_per_token.value + draft_rtt - verify_ms - rtt)
-            cost = hit * (verify_ms + rtt + overhang) + (1.0 - hit) * serial
+            # Hit: the pre-draft ran during the previous verify; the round waits for whichever of
+            # the two calls ends last: max(draft, verify) + rtt.
+            depth = predraft_depth(k, max_k, t)
+            a, b = stats.acceptance.value, branch_budget(t, k, depth, branches)  # the branches it would run
+            all_accepted = a ** k
+            hit = all_accepted * stats.bonus_match.value + (1.0 - a ** min(b, k)) * stats.branch_match.value
+            wrong_guess = all_accepted * (1.0 - stats.bonus_match.value)
+            overhang = max(0.0, depth * t.draft_ms_per_token.value + draft_rtt - verify_ms - rtt)
+            cost = (hit * (verify_ms + rtt + overhang) + wrong_guess * (serial + overhang)
+                    + max(0.0, 1.0 - hit - wrong_guess) * serial)
         return expected_tokens(stats.acceptance.value, k) / max(cost, 1e-6)
 
 
@@ -592,7 +662,7 @@ class BanditPolicy:
 
     def next_k(self, stats: SessionStats, min_k: int, max_k: int, prefill_rows: int = 0) -> int:
         arms = range(min_k, max_k + 1)
-        prior = {k: CostModelPolicy.tokens_per_ms(stats, k, self.pipelined, self.branches) for k in arms}
+        prior = {k: CostModelPolicy.tokens_per_ms(stats, k, self.pipelined, self.branches, max_k) for k in arms}
         scale = max(prior.values()) or 1e-9
         total = sum(stats.arms.get(k, [0, 0])[0] for k in arms) + self.prior_weight * len(arms)
         best_k, best_score, values = min_k, -math.inf, {}

@@ -40,7 +40,7 @@ class RoundRecord:
     # Pipelining: None when no pre-draft was pending for this round; True when this round's drafts
     # came from the pre-draft made during the previous verify (its draft time was hidden).
     predraft_hit: bool | None = None
-    predraft_saved_ms: float = 0.0  # draft wall time this round did not wait for (hits only)
+    predraft_saved_ms: float = 0.0  # the serial draft call a hit made unnecessary, less its wait (rounds.hit_saved_ms)
     # Branches: None when no branch was made for the previous round's rejection position (or it
     # failed); True when one was and its runner-up was the target's correction (its drafts are this
     # round's, unless this round runs k = 0); False when its guess was wrong.

@@ -41,7 +41,7 @@ from typing import Any
 
 from orchestrator.backends import SENT_BYTES, DraftBackend, DraftReply, TargetBackend, VerifyReply
 from orchestrator.guard import GuardTicket, PairGuard, without_prompt_rows
-from orchestrator.kpolicy import branch_budget
+from orchestrator.kpolicy import branch_budget, predraft_depth
 from orchestrator.record import RoundRecord
 from orchestrator.routing import bounded_entry
 from orchestrator.sessions import OrchestratorSession, WorkerView
@@ -202,6 +202,17 @@ class _Calls:
             self.bytes_to_target += size
 
 
+def hit_saved_ms(predraft_wall_ms: float, drafted: int, used: int, draft_ms_per_token: float,
+                 waited_ms: float) -> float:
+    """What a pre-draft hit saved: the draft call a serial round would have made (its round trip
+    and one forward per token the round uses) less what the round still waited for the pre-draft.
+    The pre-draft's whole wall time overstates it: it also drafted the bonus guess and tokens past
+    this round's k, a forward each (priced at the session's draft cost per token); counted whole,
+    a hit at k = 3 claimed about 5/3 of the drafting it hid."""
+    serial_call_ms = predraft_wall_ms - max(0, drafted - used) * draft_ms_per_token
+    return max(0.0, serial_call_ms - waited_ms)
+
+
 class Round:
     """The rounds of one turn share its session, sampling, deadline and stop conditions."""
 
@@ -286,12 +297,14 @@ class Round:
         # fully accepted round (its drafts and the bonus).
         if (self.pipeline and drafts and self.stop.remaining - (len(drafts) + 1) >= 2
                 and self.workers.draft_health.for_session(self.session.session_id).usable()):
-            # One more than this round's k, so k can grow along a run of hits (the first token is
-            # the bonus guess); the next round uses at most its own k of them.
-            # A prompt's round drafts few (kpolicy.prefill_round_k) but verifies long: its pre-draft
-            # goes to max_k, so the rounds after it are not held to that small k.
-            grow = self.max_k if prefill_rows > 1 else len(drafts) + 1
-            depth = min(grow, self.max_k, self.stop.remaining - len(drafts) - 2) + 1
+            # The bonus guess, then this round's k and one more where it fits in the verify's
+            # shadow, so k can grow along a run of hits (kpolicy.predraft_depth); the next round
+            # uses at most its own k of them. A prompt's round drafts few (kpolicy.prefill_round_k)
+            # but verifies long: its pre-draft goes to max_k, so the rounds after it are not held
+            # to that small k.
+            depth = (predraft_depth(self.max_k, self.max_k) if prefill_rows > 1
+                     else predraft_depth(len(drafts), self.max_k, self.session.stats.timing))
+            depth = min(depth, self.stop.remaining - len(drafts) - 1)
             self._start_predraft(canonical + drafts, depth)
             if self.branches and reply is not None:
                 self._start_branches(canonical, drafts, reply, depth)
@@ -378,7 +391,8 @@ class Round:
             if got is not None and got.tokens:
                 # The branch's slot holds the session's text now: the next calls go there.
                 self.session.draft_slot = branch.slot
-                return got.window(0, k), True, max(0.0, got.wall_ms - waited_ms), True
+                used = got.window(0, k)
+                return used, True, self._saved_ms(got, used, waited_ms), True
             branch_hit = None  # it failed or drafted nothing: nothing was tested
         if ahead is not None and ahead.rejected:
             # A pre-draft that had failed (an error, or _propose's None) tested nothing.
@@ -389,7 +403,12 @@ class Round:
             return None, None, 0.0, branch_hit
         if self.session.tokens != ahead.assumed + [pre.tokens[0]]:
             return None, False, 0.0, branch_hit
-        return pre.window(1, 1 + k), True, max(0.0, pre.wall_ms - waited_ms), branch_hit
+        used = pre.window(1, 1 + k)
+        return used, True, self._saved_ms(pre, used, waited_ms), branch_hit
+
+    def _saved_ms(self, predraft: DraftReply, used: DraftReply, waited_ms: float) -> float:
+        return hit_saved_ms(predraft.wall_ms, len(predraft.tokens), len(used.tokens),
+                            self.session.stats.timing.draft_ms_per_token.value, waited_ms)
 
     @staticmethod
     def _add_calls(total: _Calls, part: _Calls) -> None:
@@ -445,7 +464,8 @@ class Round:
             # session's own cache: no branches from it again, and that cache is no longer what the
             # view says (the next commit's hash check would find out; a reset saves the round trip).
             log.warning("draft worker ignored branch slot %d (an older worker?): no more branch pre-drafts", slot)
-            w.disable_branches()
+            w.disable_branches()  # for the turns to come
+            self.branches = 0  # and for the rest of this one
             session.draft_views[source].reset()
             return None
         view.after_call(assumed, reply.tokens, reply.cache_len)
@@ -538,10 +558,12 @@ class Round:
                 log.log(level, "draft cannot serve this round (%s); it runs target-only", exc)
                 view.keep(commit.cache_len)
                 return None
+            # The view first: report() may suspend, and a cancel there (a pre-draft stopped by a
+            # rejection) must not leave the view behind what the worker already applied.
+            view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), reply.tokens, reply.cache_len)
+            calls.bytes_from_draft += reply.bytes_received
             health.succeeded()
             await w.draft_health.report()
-            calls.bytes_from_draft += reply.bytes_received
-            view.after_call(canonical[:commit.cache_len] + list(commit.append_tokens), reply.tokens, reply.cache_len)
             return reply
         return None
 

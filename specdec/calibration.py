@@ -85,10 +85,14 @@ def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int,
     return curve
 
 
-def calibrate(core: WorkerCore, max_k: int, budget_s: float) -> None:
+GEMM_PATHS = ("auto", "library")
+
+
+def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "auto") -> None:
     """At worker startup: choose the GEMM path (CPU), then measure the cost curve, within budget_s of
     measuring. Swapping the chosen paths in (packing the weights) comes on top: seconds for a 1.5B
-    float32 model, more for larger ones.
+    float32 model, more for larger ones. `gemm_path` "library" (--gemm-path) keeps F.linear everywhere,
+    the kernels HF `generate` runs, and gives the whole budget to the cost curve.
 
     The draft forwards 1 token per drafting step and up to 2 on catch-up; the target verifies up to
     max_k + 1. Contexts: a short and a longer prompt, the second only as far as the budget allows.
@@ -96,12 +100,19 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float) -> None:
     from specdec import linear_path
     if not math.isfinite(budget_s):  # NaN passed the skip check, then no `elapsed > budget` ever held
         raise ValueError(f"calibration budget must be a finite number of seconds (0 skips), got {budget_s}")
+    if gemm_path not in GEMM_PATHS:
+        raise ValueError(f"gemm_path must be one of {', '.join(GEMM_PATHS)}, got {gemm_path!r}")
     if budget_s <= 0:
         return
     max_tokens = 2 if core.role == "draft" else max_k + 1
-    # Row counts for the GEMM path: a session's own steps, and up to 16 rows of batched sessions.
-    paths = linear_path.choose_and_apply(core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s / 2)
-    core.gemm_path = paths.summary()
+    if gemm_path == "library":
+        paths = linear_path.PathChoice()
+        core.gemm_path = "F.linear everywhere (--gemm-path library)"
+        log.info("GEMM path: %s", core.gemm_path)
+    else:
+        # Row counts for the GEMM path: a session's own steps, and up to 16 rows of batched sessions.
+        paths = linear_path.choose_and_apply(core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s / 2)
+        core.gemm_path = paths.summary()
     # The budget bounds measuring. Swapping the chosen paths in (packing, owning the tensors) takes
     # what the model's size and the page cache make it (7.6-12.8 s measured for the 1.5B float32
     # target on 2 Zen 5 cores) and is not charged to the curve: charged, it left the curve little or

@@ -13,9 +13,13 @@ distinct weight shape of its model, three ways to compute the same product and k
   to 16 and 1.5-3.5x faster than either dense path for the float32 target.
 
 A shape either keeps its dense weight (and picks `linear` or `weight_left` per M) or swaps it for the
-packed one (every M): one copy of the weights, never two. Timings cycle through the layers' weights
-(up to COLD_BYTES): a forward reads each weight once, and repeating one weight times the cache. The
-choice changes only the reduction order; greedy identity is checked by the tests and `specdec flips`.
+packed one (every M): one copy of the weights, never two. Each timing is one pass over about
+COLD_BYTES of the shape's weights, so that it never times the cache (a forward reads each weight
+once): whole layers in turn, or, for one layer larger than that (an LM head), a slice of its rows of
+about COLD_BYTES, the time scaled to the whole layer. Before any timing, each path's output is
+compared with F.linear's on the shape's first layer: a path that differs by more than the order of
+a float32 sum and the output's rounding explain is never chosen (a WARNING says so). So the choice
+changes only the reduction order; greedy identity is checked by the tests and `specdec flips`.
 
 Over 300 lines: the paths, how they are timed and the per-shape plan are one measurement, and the
 plan's rules (one copy of a weight, the prompt chunk's guard) read the timings directly.
@@ -46,6 +50,20 @@ PREFILL_SLACK = 1.5
 PREFILL_ROWS = 64
 # Bytes one timing pass reads: several layers' weights, far past any last-level cache.
 COLD_BYTES = 192 << 20
+# A layer larger than COLD_BYTES is timed on its first rows, a multiple of this many (GEMM blocking).
+ROW_BLOCK = 256
+# A path agrees with F.linear where each output is within ACCUMULATION_TOL x sqrt(in_features) x float32's
+# eps x its scale (the norm of that output's terms, sqrt(sum_i (x_i w_ji)^2), plus its bias: a GEMM may
+# start its float32 sum from the bias; per output, so that a weight row of large norm, whose sums round
+# coarser, does not fail an honest path) of F.linear's, plus OUTPUT_ULPS units in the last place of the output's own dtype at that output or that
+# scale, the larger (each path rounds its sum once; one that adds a bias after a bf16 GEMM rounds twice, the
+# first time at the product's scale). On the 1.5B's weights in float32 the honest paths stayed within
+# 1.6 x sqrt(in) x eps x the scale (inside the ULPs in bf16, on the 0.5B's); a float32 product of
+# bf16-rounded operands was over 1000 of them off, a result scaled by 1 + 1e-3 over 500.
+ACCUMULATION_TOL = 8.0
+OUTPUT_ULPS = 2.0
+# Outputs of a shape's first layer the agreement check compares (the first ones).
+AGREEMENT_OUTPUTS = 4096
 
 
 def weight_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -81,6 +99,32 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def term_norms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per output of x @ weight.T, the norm of its terms: sqrt(sum_i (x_i w_ji)^2) (float64)."""
+    return (x.double().pow(2) @ weight.double().pow(2).T).sqrt()
+
+
+def agreement(y: torch.Tensor, reference: torch.Tensor, bias: torch.Tensor | None, in_features: int,
+              scale: torch.Tensor | None = None) -> float:
+    """How far a path's output `y` is from F.linear's `reference` (same input, weight and bias): the
+    worst output's difference over its tolerance (ACCUMULATION_TOL, OUTPUT_ULPS), so at most 1 where
+    the two differ only in the order of the sums; inf where the shape or dtype differs, or a NaN.
+    scale: each output's term norm (term_norms); without it, the RMS of the product stands in."""
+    if y.shape != reference.shape or y.dtype != reference.dtype:
+        return math.inf
+    ref = reference.double()
+    if scale is None:
+        product = ref - bias.double() if bias is not None else ref
+        scale = (product.pow(2).mean().sqrt() if product.numel() else product.new_zeros(()))
+    scale = scale.double()
+    if bias is not None:
+        scale = scale + bias.double().abs()
+    tolerance = (ACCUMULATION_TOL * math.sqrt(in_features) * torch.finfo(torch.float32).eps * scale
+                 + OUTPUT_ULPS * torch.finfo(reference.dtype).eps * torch.maximum(ref.abs(), scale))
+    excess = ((y.double() - ref).abs() / tolerance.clamp_min(torch.finfo(torch.float64).tiny)).nan_to_num(math.inf)
+    return excess.max().item() if excess.numel() else 0.0
 
 
 @dataclass(frozen=True)
@@ -168,14 +212,15 @@ def _ranges(ms: frozenset[int]) -> str:
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
-def best_ms(runs: dict[str, Callable[[], object]], reps: int,
-            clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
-    """Per path, the fastest of `reps` runs after a warm-up (contention only adds time), the paths
-    in turn, the order rotated each round (no path always runs after the same one): a slow spell of
-    the machine then costs each path one run, not all runs of one path. (Timed path after path, the
-    draft's packed LM head once lost to F.linear, loadtest run 56 on the Zen 5.)"""
-    for run in runs.values():
-        run()  # warm-up: allocations, kernel choice
+def best_ms(runs: dict[str, Callable[[], object]], reps: int, clock: Callable[[], float] = time.perf_counter,
+            warm_ups: dict[str, Callable[[], object]] | None = None) -> dict[str, float]:
+    """Per path, the fastest of `reps` runs after a warm-up (its entry in `warm_ups`, else one run;
+    contention only adds time), the paths in turn, the order rotated each round (no path always runs
+    after the same one): a slow spell of the machine then costs each path one run, not all runs of one
+    path. (Timed path after path, the draft's packed LM head once lost to F.linear, loadtest run 56 on
+    the Zen 5.)"""
+    for path, run in runs.items():
+        (warm_ups or {}).get(path, run)()  # warm-up: allocations, kernel choice
     best = {path: math.inf for path in runs}
     order = list(runs.items())
     for i in range(max(1, reps)):
@@ -198,33 +243,87 @@ def _shared_weights(model: torch.nn.Module) -> set[int]:
 
 
 class _ShapeTimer:
-    """Times the paths of one weight shape: each timing is one pass over the layers' weights (as
-    many as COLD_BYTES takes, or all there are), divided by the layers."""
+    """Times the paths of one weight shape, in ms per layer. Each timing is one pass over about
+    COLD_BYTES of the shape's weights: for layers up to that size, as many whole layers as COLD_BYTES
+    takes (or all there are), the time divided by their count; for a single layer larger than that,
+    its first rows, about COLD_BYTES of them, the time scaled by its rows over theirs: past COLD_BYTES
+    a GEMM's weight costs per byte what the whole does. (Timed whole, the 1.5B float32 target's 933 MB
+    LM head took 6.9 of its 10.9 s of measuring on a 2-core Zen 4, and its attention projections were
+    left untimed, on F.linear.)"""
 
     def __init__(self, linears: list[torch.nn.Linear], reps: int, can_pack: bool) -> None:
-        weight = linears[0].weight
-        self.linears = linears[:max(1, math.ceil(COLD_BYTES / max(1, weight.numel() * weight.element_size())))]
+        first = linears[0]
+        layer_bytes = max(1, first.weight.numel() * first.weight.element_size())
+        if layer_bytes > COLD_BYTES:
+            row_bytes = first.in_features * first.weight.element_size()
+            rows = min(first.out_features, math.ceil(COLD_BYTES / row_bytes / ROW_BLOCK) * ROW_BLOCK)
+            self.linears = linears[:1]
+            self.weights = [(first.weight[:rows], None if first.bias is None else first.bias[:rows])]
+            self.scale = first.out_features / rows
+        else:
+            self.linears = linears[:max(1, math.ceil(COLD_BYTES / layer_bytes))]
+            self.weights = [(lin.weight, lin.bias) for lin in self.linears]
+            self.scale = 1.0 / len(self.linears)
         self.reps = reps
-        self.packed = [pack(lin.weight) for lin in self.linears] if can_pack else []
+        self.packed = [pack(weight) for weight, _ in self.weights] if can_pack else []
         self.ms: dict[str, dict[int, float]] = {LINEAR: {}, WEIGHT_LEFT: {}} | ({PACKED: {}} if can_pack else {})
+
+    def _runs(self, x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | None]],
+              packed: list[torch.Tensor]) -> dict[str, Callable[[], list[torch.Tensor]]]:
+        runs: dict[str, Callable[[], list[torch.Tensor]]] = {
+            LINEAR: lambda: [F.linear(x, w, b) for w, b in weights],
+            WEIGHT_LEFT: lambda: [weight_left(x, w, b) for w, b in weights],
+        }
+        if packed:
+            runs[PACKED] = lambda: [packed_linear(x, p, b, w.shape[0]) for p, (w, b) in zip(packed, weights)]
+        return {path: run for path, run in runs.items() if path in self.ms}
+
+    def drop_disagreeing(self, rows: tuple[int, ...]) -> dict[str, str]:
+        """Compare each path's output with F.linear's on the first (sliced) layer at each row count, on a
+        random input; a path that disagrees (or fails) is dropped from the timings, so it is never
+        chosen. Returns the dropped paths, each with why."""
+        first = self.linears[0]
+        gen = torch.Generator().manual_seed(0)
+        dropped: dict[str, str] = {}
+        checked = slice(0, AGREEMENT_OUTPUTS)  # outputs compared: enough, and cheap on a vocabulary head
+        weight, bias = self.weights[0]
+        with torch.inference_mode():
+            for m in rows:
+                x = torch.randn(m, first.in_features, generator=gen)
+                x = x.to(device=first.weight.device, dtype=first.weight.dtype)
+                runs = self._runs(x, self.weights[:1], self.packed[:1])
+                reference = runs.pop(LINEAR)()[0][..., checked]
+                scale = term_norms(x, weight[checked])
+                for path, run in runs.items():
+                    if path in dropped:
+                        continue
+                    try:
+                        error = agreement(run()[0][..., checked], reference,
+                                          None if bias is None else bias[checked], first.in_features, scale)
+                    except RuntimeError as exc:
+                        dropped[path] = f"fails at M={m}: {exc}"
+                        continue
+                    if not error <= 1.0:
+                        dropped[path] = f"differs by {error:.3g}x the reduction-order tolerance at M={m}"
+        for path in dropped:
+            del self.ms[path]
+        if PACKED in dropped:
+            self.packed = []
+        return dropped
 
     def time(self, m: int) -> None:
         first = self.linears[0]
         x = torch.randn(m, first.in_features, dtype=first.weight.dtype, device=first.weight.device)
-        n = len(self.linears)
-        runs: dict[str, Callable[[], object]] = {
-            LINEAR: lambda: [F.linear(x, lin.weight, lin.bias) for lin in self.linears],
-            WEIGHT_LEFT: lambda: [weight_left(x, lin.weight, lin.bias) for lin in self.linears],
-        }
-        if self.packed:
-            runs[PACKED] = lambda: [packed_linear(x, p, lin.bias, lin.out_features)
-                                    for p, lin in zip(self.packed, self.linears)]
+        # Warming a GEMM shape's kernels up takes one of its layers: the last one, which leaves the
+        # cache as a whole pass would (the timed pass starts cold, at the first layer). Only a shape's
+        # first timing warms the whole pass: the first reads of a memory-mapped checkpoint fault pages in.
+        warm_ups = self._runs(x, self.weights[-1:], self.packed[-1:]) if self.ms[LINEAR] else None
         with torch.inference_mode():
-            for path, ms in best_ms(runs, self.reps).items():
-                self.ms[path][m] = ms / n
+            for path, ms in best_ms(self._runs(x, self.weights, self.packed), self.reps, warm_ups=warm_ups).items():
+                self.ms[path][m] = ms * self.scale
 
     def left_wins(self, m: int) -> bool:
-        return self.ms[WEIGHT_LEFT][m] < MIN_GAIN * self.ms[LINEAR][m]
+        return WEIGHT_LEFT in self.ms and self.ms[WEIGHT_LEFT][m] < MIN_GAIN * self.ms[LINEAR][m]
 
     def dense_ms(self, m: int) -> float:
         return self.ms[WEIGHT_LEFT if self.left_wins(m) else LINEAR][m]
@@ -265,7 +364,9 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
     decode = measured_ms(max_m)
     prefill = PREFILL_ROWS if PREFILL_ROWS > max_m else None
     # Where the time goes first (weight bytes x how many layers have the shape), so a tight budget
-    # still covers what matters.
+    # still covers what matters. That is also the order of the most there is to gain per second of
+    # measuring: a shape's timings cost one pass over at most COLD_BYTES, the same for every shape
+    # that has that many bytes (less for the rest), whatever its size.
     for shape, linears in sorted(by_shape.items(), key=lambda kv: -kv[0][0] * kv[0][1] * len(kv[1])):
         if clock() - started > budget_s:
             choice.complete = False
@@ -274,6 +375,9 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
                     and linears[0].weight.device.type == "cpu"
                     and not any(lin.weight.data_ptr() in shared for lin in linears))
         timer = _ShapeTimer(linears, reps, can_pack)
+        for path, why in timer.drop_disagreeing(tuple(sorted({decode[0], decode[-1]}))).items():
+            log.warning("GEMM path %s %s for the %dx%d weights (not F.linear's product): never chosen for them",
+                        path, why, *shape)
         ends = sorted({decode[0], decode[len(decode) // 2], decode[-1]} | ({prefill} if prefill else set()))
         order = ends + [m for m in decode if m not in ends]
         for i, m in enumerate(order):

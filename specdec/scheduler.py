@@ -9,8 +9,9 @@ step while other calls join and leave: continuous batching.
 
 Rules:
 - Bounded: at most `max_batch` calls active, at most `max_queue` waiting; past that, submit() raises
-  QueueFull (RESOURCE_EXHAUSTED) with a retry hint from the measured step time (0: no waiting room;
-  an EndSession, which takes no slot, is never refused).
+  QueueFull (RESOURCE_EXHAUSTED) with a retry hint: when the soonest active call should end, from
+  its forwards left and the measured forward time (0: no waiting room; an EndSession, which takes no
+  slot, is never refused).
 - Fair: calls are admitted first come first served, and inside the active set the step that has
   waited longest goes first; a step left out by the token cap is the oldest next time, so none starves.
   While a prompt waits, decode steps leave it MIN_PROMPT_CHUNK rows of the cap.
@@ -23,7 +24,11 @@ Rules:
   the k + 1 rows of many sessions' verifies a fixed budget would spread each prompt over many slow
   forwards, and the first tokens of speculating sessions would come late.
 - One call per session at a time: a second call on a session waits until the first ends (the cache
-  is the session's state), in arrival order.
+  is the session's state), in arrival order. A draft's branch slots are calls of their own, but an
+  EndSession (every slot) waits for the calls on all of them, and later calls on any wait for it.
+- Failures: a forward that runs out of memory fails its calls with CapacityExceeded (load, not a
+  bug); any other error as it is. If the model thread itself fails (a bug outside every call), all
+  calls and every later submit fail UNAVAILABLE, and `on_failure` tells the server.
 - Deadlines and cancellation are checked before admission and before every step: an expired call
   stops without spending a forward, and its generator is closed so its cleanup runs.
 - A short window (`window_ms`) lets calls that are due (sessions that just finished a call and
@@ -46,6 +51,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -69,6 +75,19 @@ MIN_PROMPT_CHUNK = 16
 
 
 _DROPPED, _ADMITTED, _WAITS = "dropped", "admitted", "waits"  # where admission places a waiting call
+
+
+# A CPU allocation failure is a plain RuntimeError from torch's allocator (or Python's MemoryError);
+# matched by message, so that this module needs no torch.
+_OOM_MESSAGES = ("can't allocate memory", "not enough memory", "defaultcpuallocator", "out of memory")
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether a forward's error is the device running out of memory: torch.OutOfMemoryError (CUDA's,
+    torch.cuda.OutOfMemoryError is the same class), matched by name, or a CPU allocation failure."""
+    if any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__) or isinstance(exc, MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MESSAGES)
 
 
 def _no_steps() -> Steps:
@@ -219,6 +238,7 @@ class BatchScheduler:
                  utilisation_window_s: float = 5.0) -> None:
         limits.validate()
         self.limits = limits
+        self._name = name
         self._forward = forward
         self._clock = clock
         self._cond = threading.Condition()
@@ -228,6 +248,7 @@ class BatchScheduler:
         # Sessions whose last call ended recently.
         self._returns: dict[str, _Return] = {}
         self._recent_gaps: collections.deque[float] = collections.deque(maxlen=64)  # any session's
+        self._recent_steps: collections.deque[int] = collections.deque(maxlen=64)  # forwards per call (retry hints)
         self._busy: collections.deque[tuple[float, float]] = collections.deque()
         self._util_window_s = utilisation_window_s
         self._started = clock()
@@ -239,6 +260,9 @@ class BatchScheduler:
         self.rejected = 0
         self.expired = 0
         self.prefill_chunks = 0  # forwards that ran part of a call's step (chunked prefill)
+        # Set once the model thread has failed (_die): why later calls are refused.
+        self._failure: str | None = None
+        self._on_failure: Callable[[BaseException], None] | None = None
         self._thread = threading.Thread(target=self._run, name=f"{name}-scheduler", daemon=True)
         self._thread.start()
 
@@ -252,13 +276,14 @@ class BatchScheduler:
         now = self._clock()
         with self._cond:
             if self._closed:
-                raise WorkerUnavailable("worker is shutting down")
+                raise WorkerUnavailable(self._failure or "worker is shutting down")
             # Refused only if this call would itself wait beyond the free slots past max_queue (0: no
             # waiting room, yet an idle worker still takes a call). An EndSession takes no slot and
             # frees memory: never refused for load.
-            if not ends_session and self._queued(joining=session_id) > self.limits.max_queue:
+            queued = 0 if ends_session else self._queued(joining=session_id)
+            if queued > self.limits.max_queue:
                 self.rejected += 1
-                retry_ms = self._retry_after_ms()
+                retry_ms = self._retry_after_ms(over=queued - self.limits.max_queue)
                 raise QueueFull(f"worker busy: {len(self._active)} calls in the batch and {len(self._waiting)} "
                                 f"waiting (max_queue {self.limits.max_queue}); retry after ~{retry_ms} ms",
                                 retry_ms)
@@ -291,18 +316,40 @@ class BatchScheduler:
         """Where each of these waiting calls goes at the next admission, in arrival order (lock
         held): dropped (cancelled, or past its deadline), admitted (first come first served into the
         free slots, one active call per session; an EndSession runs no forward and takes no slot) or
-        left waiting (its session's later calls, an EndSession too, wait behind it)."""
-        busy = {job.session_id for job in self._active}
+        left waiting (its session's later calls, an EndSession too, wait behind it).
+
+        Calls are keyed by slot (contract.slot_key: a draft's branch slots run beside its slot 0), but
+        an EndSession ends every slot: it waits for the calls on all of them, and they for it. Else it
+        ran beside a branch call, freed its pinned cache, and that call (or one queued with
+        cache_len=0) left an orphan slot, held until its TTL."""
+        busy = {job.session_id for job in self._active}  # slot keys with a call before this one
+        sessions = {session_of(key) for key in busy}      # ... and their sessions
+        ending = {job.session_id for job in self._active if job.ends_session}  # (an EndSession's key is the session)
         taken = _slots_taken(self._active)
         now = self._clock()
         for job in jobs:
             if job.future.cancelled() or (job.deadline is not None and now >= job.deadline):
                 yield job, _DROPPED
                 continue
-            admitted = (job.ends_session or taken < self.limits.max_batch) and job.session_id not in busy
+            session = session_of(job.session_id)
+            if job.ends_session:
+                admitted = session not in sessions
+                ending.add(session)
+            else:
+                admitted = taken < self.limits.max_batch and job.session_id not in busy and session not in ending
             taken += admitted and not job.ends_session
             busy.add(job.session_id)
+            sessions.add(session)
             yield job, _ADMITTED if admitted else _WAITS
+
+    def on_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback(exc)` if the model thread fails (on that thread; at once if it has): the
+        server flips its health to NOT_SERVING. A hook, so that no grpc is imported here."""
+        with self._cond:
+            self._on_failure = callback
+            failure = self._failure
+        if failure is not None:
+            callback(RuntimeError(failure))
 
     def close(self, timeout_s: float = 5.0) -> None:
         with self._cond:
@@ -312,6 +359,16 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ model thread
     def _run(self) -> None:
+        try:
+            leftover = self._loop()
+        except BaseException as exc:  # noqa: BLE001 - a bug outside any one call's own try blocks
+            self._die(exc)
+            return
+        for job in leftover:
+            self._abort(job, WorkerUnavailable("worker is shutting down"))
+
+    def _loop(self) -> list[_Job]:
+        """Admit, select, forward, until closed; returns the calls left then."""
         while True:
             with self._cond:
                 while not self._closed and not self._waiting and not self._active:
@@ -320,7 +377,7 @@ class BatchScheduler:
                     leftover = list(self._waiting) + self._active
                     self._waiting.clear()
                     self._active.clear()
-                    break
+                    return leftover
                 self._wait_for_due_calls()
                 admitted = self._admit()
             for job in admitted:
@@ -329,8 +386,37 @@ class BatchScheduler:
             batch = self._select()
             if batch:
                 self._step(batch)
+
+    def _die(self, exc: BaseException) -> None:
+        """The model thread failed outside every call's own error handling (a bug in admission or
+        selection). Without this the thread died silently and submit() kept taking calls whose futures
+        never resolved (a Verify then hung for the orchestrator's whole --target-timeout-s). Now every
+        call fails at once and so does every later submit, and the worker's health goes NOT_SERVING
+        (on_failure). UNAVAILABLE, not INTERNAL: the cause is a bug (logged here with its traceback),
+        but what callers must act on is that this worker serves nothing more until restarted. The
+        orchestrator passes over a replica that answers UNAVAILABLE and a draft's session runs
+        target-only; INTERNAL tells it the worker is healthy and to keep sending it every round."""
+        log.error("%s: the model thread failed; failing every call and refusing new ones (restart the worker)",
+                  self._name, exc_info=exc)
+        reason = f"the model thread of {self._name} failed ({type(exc).__name__}: {exc}); restart the worker"
+        with self._cond:
+            self._closed = True
+            self._failure = reason
+            leftover = list(self._waiting) + self._active
+            self._waiting.clear()
+            self._active.clear()
+            callback = self._on_failure
+            self._cond.notify_all()
         for job in leftover:
-            self._abort(job, WorkerUnavailable("worker is shutting down"))
+            try:
+                self._abort(job, WorkerUnavailable(reason))
+            except BaseException:  # noqa: BLE001 - fail the others still
+                log.exception("failing a call after the model thread failed")
+        if callback is not None:
+            try:
+                callback(exc)
+            except BaseException:  # noqa: BLE001
+                log.exception("the model thread's failure callback failed")
 
     def _window_s(self) -> float:
         """window_ms caps it; a tenth of the recent forward time bounds what waiting may cost. With
@@ -533,9 +619,12 @@ class BatchScheduler:
         try:
             outputs = self._forward(steps)
         except BaseException as exc:  # noqa: BLE001 - every call in the forward gets the error
-            log.exception("batched forward over %d calls failed", len(batch))
+            if out_of_memory(exc):
+                log.warning("forward over %d calls and %d rows ran out of memory: %s", len(batch), rows, exc)
+            else:
+                log.exception("batched forward over %d calls failed", len(batch))
             for job, _, _ in batch:
-                self._abort(job, exc)
+                self._abort(job, self._as_capacity_error(exc, len(batch), rows))
             return
         end = self._clock()
         with self._cond:
@@ -545,9 +634,9 @@ class BatchScheduler:
             self.forwards += 1
             self.batched_sessions += len(batch)
             self.prefill_chunks += any(job.pending is not None for job, _, _ in batch)
-        for (job, _, _), output in zip(batch, outputs):
+        for (job, step, _), output in zip(batch, outputs):
             if isinstance(output, Exception):  # this step's own failure (steps run one at a time)
-                self._abort(job, output)
+                self._abort(job, self._as_capacity_error(output, 1, len(step.tokens)))
                 continue
             job.load.forwards += 1
             job.load.batch_sessions += len(batch)
@@ -556,6 +645,19 @@ class BatchScheduler:
             if job.pending is None:  # a prefill chunk's call keeps its rest pending: nothing to resume
                 job.chunked = False
                 self._advance(job, output)
+
+    def _as_capacity_error(self, exc: BaseException, calls: int, rows: int) -> BaseException:
+        """A forward that ran out of memory is load, not a bug: RESOURCE_EXHAUSTED (retryable, with
+        a hint) instead of INTERNAL. Any other error is returned as it is."""
+        if not out_of_memory(exc):
+            return exc
+        with self._cond:
+            retry_ms = self._retry_after_ms()
+        error = CapacityExceeded(f"out of memory ({type(exc).__name__}) in a forward of {calls} calls and {rows} "
+                                 f"rows on {self._name}; retry after ~{retry_ms} ms, or with fewer concurrent calls "
+                                 "or shorter prompts", retry_ms)
+        error.__cause__ = exc
+        return error
 
     def _close_steps(self, job: _Job) -> None:
         if job.steps is not None:
@@ -570,6 +672,9 @@ class BatchScheduler:
         self._fail(job, exc)
 
     def _finish(self, job: _Job, result: Any = None) -> None:
+        if job.load.forwards and not job.future.cancelled():  # a whole call: how long calls run (retry hints)
+            with self._cond:
+                self._recent_steps.append(job.load.forwards)
         self._retire(job)
         with contextlib.suppress(InvalidStateError):  # cancelled by the caller meanwhile
             job.future.set_result(result)
@@ -606,7 +711,24 @@ class BatchScheduler:
         busy = sum(end - max(start, horizon) for start, end in self._busy)
         return min(1.0, busy / max(1e-9, min(self._util_window_s, now - self._started)))
 
-    def _retry_after_ms(self) -> int:
-        """About when a slot frees: the waiting calls' share of forwards at the measured step time."""
-        steps = 1 + len(self._waiting) // max(1, self.limits.max_batch)
-        return max(10, int(1000.0 * max(self._step_s, 0.01) * steps))
+    def _retry_after_ms(self, over: int = 1) -> int:
+        """About when a call refused for a full queue would be taken (lock held). A queue place frees
+        only when a waiting call is admitted, and that only when an active call ends and frees its
+        batch place; an active call holds its place for all its forwards (a Propose k + 1, a chunked
+        prompt one per chunk). So: the `over`-th soonest end among the active calls, in forwards
+        left (each call's own session's steps per call, else the typical call's, less those it ran),
+        times the measured forward time; never less than one forward. Counting the waiting calls
+        instead (as once) said 100 ms where a place freed after about 400 (9-step calls, 50 ms
+        forwards). Approximate: a queued call behind its own session's call frees no place this way."""
+        typical = sorted(self._recent_steps)[len(self._recent_steps) // 2] if self._recent_steps else 1
+        left = sorted(self._steps_left(job, typical) for job in self._active if not job.ends_session) or [1]
+        forwards = left[min(max(1, over), len(left)) - 1]
+        return max(10, int(1000.0 * max(self._step_s, 0.01) * forwards))
+
+    def _steps_left(self, job: _Job, typical: int) -> int:
+        """Forwards an active call probably still runs (at least 1; lock held)."""
+        returned = self._returns.get(job.session_id)
+        left = (returned.steps if returned else typical) - job.load.forwards
+        if job.chunked and job.pending is not None:  # a chunked prompt: at least its rest's chunks
+            left = max(left, math.ceil(len(job.pending.tokens) / max(MIN_PROMPT_CHUNK, self.limits.prefill_chunk)))
+        return max(1, left)

@@ -14,7 +14,7 @@ import grpc
 from specdec import grpc_util
 from specdec.errors import DeadlineExceeded
 from specdec.v1 import common_pb2
-from specdec.contract import MAX_BRANCH_SLOTS, CallStats, CostCurve, validate_session_id
+from specdec.contract import MAX_BRANCH_SLOTS, MAX_K, CallStats, CostCurve, validate_session_id
 from specdec.scheduler import (BatchLimits, BatchScheduler, itl_factor_valid, itl_limit_ms, prefill_chunk_for,
                                prefill_chunk_within)
 from specdec.worker_core import ForwardStep, StoreLimits, WorkerCore
@@ -104,8 +104,13 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
                         help="startup budget to choose the CPU GEMM path and measure the forward cost curve "
                              "(0 skips both; the k policy then starts from generic defaults); packing the "
                              "chosen weights comes on top (seconds for a 1.5B float32 model)")
+    parser.add_argument("--gemm-path", choices=("auto", "library"), default="auto",
+                        help="auto: each weight shape's GEMM path (F.linear, weight-left, oneDNN-packed weights) "
+                             "chosen by timing at startup, within half of --calibration-s; library: F.linear "
+                             "everywhere, the kernels of HF generate (nearer its numerics), the cost curve still "
+                             "measured")
     parser.add_argument("--max-k", type=int, default=8,
-                        help="largest k to calibrate for (the orchestrator's max_k)")
+                        help=f"largest k to calibrate for (the orchestrator's max_k), 1 to {MAX_K}")
     parser.add_argument("--max-batch", type=int, default=8,
                         help="calls (sessions) sharing one forward; 1 runs one call at a time, the exact mode "
                              "(each stream's numerics then do not depend on the others)")
@@ -191,6 +196,8 @@ def check_worker_flags(args: argparse.Namespace) -> None:
                          f"{args.session_ttl_s}, {args.cache_budget_mb} and {args.max_sessions}")
     if not math.isfinite(args.calibration_s):
         raise SystemExit(f"--calibration-s must be a number of seconds (0 skips), got {args.calibration_s}")
+    if not 1 <= args.max_k <= MAX_K:  # a huge one made the calibration run a forward of that many rows
+        raise SystemExit(f"--max-k must be in [1, {MAX_K}] (the most drafts a round may verify), got {args.max_k}")
     from specdec import security
     security.check_tls_flags(args, {"--tls-cert": ("--tls-key",), "--tls-key": ("--tls-cert",),
                                     "--tls-client-ca": ("--tls-cert", "--tls-key")})
@@ -213,7 +220,7 @@ async def serve_worker(args: argparse.Namespace, role: str,
     loaded = await asyncio.to_thread(load_model, args.model, dtype, str(device))
     core = WorkerCore(loaded, role, store_limits(args))
     from specdec.calibration import calibrate
-    await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s)
+    await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s, args.gemm_path)
     servicer = make_servicer(core, batch_limits(args, core.cost_curve, role))
     credentials = None
     if args.tls_cert and args.tls_key:
@@ -221,6 +228,10 @@ async def serve_worker(args: argparse.Namespace, role: str,
         credentials = security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     handle = await grpc_util.start_server(lambda server: register(servicer, server), [service_name],
                                           host=args.host, port=args.port, credentials=credentials)
+    loop = asyncio.get_running_loop()
+    # A model thread that died serves nothing more: NOT_SERVING, so probes restart the worker and
+    # balancers move traffic away (the scheduler, grpc-free, calls this from its thread).
+    servicer.scheduler.on_failure(lambda exc: asyncio.run_coroutine_threadsafe(handle.set_serving(False), loop))
     if args.metrics_port is not None:
         from specdec.metrics import serve_metrics, worker_registry
         serve_metrics(args.metrics_port, worker_registry(core, servicer.scheduler), args.host)

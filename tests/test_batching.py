@@ -152,6 +152,51 @@ def test_run_one_at_a_time_a_steps_failure_is_its_own() -> None:
         core.feed_many([ForwardStep(bad, [8], 1)])
 
 
+def test_a_batched_forward_out_of_memory_is_resource_exhausted_for_its_calls() -> None:
+    """Two verifies share a ragged forward that runs out of memory (torch's own CPU allocator error,
+    by asking it for 4 EiB): both fail RESOURCE_EXHAUSTED with a retry hint, not INTERNAL; their
+    caches were reset, so a retry from the whole prefix works."""
+    from specdec.contract import Commit, SamplingConfig
+    from specdec.errors import CapacityExceeded
+    from specdec.scheduler import BatchScheduler
+    from target_worker.engine import TargetEngine, VerifyParams
+    core = WorkerCore(load_model("tiny:seed=0"), "target")
+    engine = TargetEngine(core)
+    ragged = core._ragged
+    assert ragged is not None
+
+    def ragged_out_of_memory(items):
+        if len(items) == 2:
+            torch.empty(2 ** 62, dtype=torch.uint8)  # raises: DefaultCPUAllocator: can't allocate memory
+        return ragged(items)
+    core._ragged = ragged_out_of_memory
+    scheduler = BatchScheduler(core.feed_many, BatchLimits(window_ms=0.0), name="target-model")
+    try:
+        def verify(session: str):
+            params = VerifyParams(session, Commit(0, 0, tuple(PROMPTS[1])), (), (), SamplingConfig())
+            return scheduler.submit(session, lambda: engine.verify_steps(params))[0]
+        entered, gate = threading.Event(), threading.Event()
+
+        def hold(module, args) -> None:
+            entered.set()
+            assert gate.wait(30)
+        handle = core.model.register_forward_pre_hook(hold)
+        first = verify("x")
+        assert entered.wait(30)  # x's solo forward: a and b arrive during it and share the next one
+        handle.remove()
+        failing = [verify("a"), verify("b")]
+        gate.set()
+        first.result(30)
+        for future in failing:
+            with pytest.raises(CapacityExceeded, match="out of memory") as failed:
+                future.result(30)
+            assert failed.value.code_name == "RESOURCE_EXHAUSTED" and failed.value.retry_after_ms > 0
+        assert core.session_tokens("a") == [] and core.session_tokens("b") == []  # reset: nothing to trust
+        assert verify("a").result(30).next_token == first.result().next_token  # the retry from the prefix
+    finally:
+        scheduler.close()
+
+
 def test_a_step_split_into_prefill_chunks_feeds_what_the_whole_step_does() -> None:
     core = WorkerCore(load_model("tiny:seed=0", torch.float32), "target")
     prompt = [random.Random(5).randrange(3, 250) for _ in range(23)]

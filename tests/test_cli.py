@@ -51,3 +51,37 @@ def test_each_command_help_names_its_command(capsys) -> None:
             main([command, "--help"])
         assert exited.value.code == 0, command
         assert capsys.readouterr().out.startswith(f"usage: specdec {command}"), command
+
+
+def test_startup_progress_into_a_file_is_a_line_per_change_of_state() -> None:
+    """Into a pipe or a file (CI logs, `make demo | tee`) the progress is not redrawn with carriage
+    returns every 0.5 s: one line per change of state. On a terminal it is redrawn in place."""
+    import io
+    from types import SimpleNamespace
+
+    from specdec.tools.demo import wait_ready
+
+    class SlowService:
+        """A service that writes its port on the third look."""
+        def __init__(self) -> None:
+            self.name, self.looks = "target", 0
+            self.proc = SimpleNamespace(poll=lambda: None)
+
+        @property
+        def port(self) -> int | None:
+            self.looks += 1
+            return 4242 if self.looks >= 3 else None
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    into_file = io.StringIO()
+    wait_ready([SlowService()], timeout_s=30, out=into_file)
+    lines = into_file.getvalue().splitlines()
+    assert "\r" not in into_file.getvalue()
+    assert [line.split("] ", 1)[1] for line in lines] == ["target: loading", "target: ready :4242"]
+
+    terminal = Terminal()
+    wait_ready([SlowService()], timeout_s=30, out=terminal)
+    assert terminal.getvalue().count("\r") == 3 and terminal.getvalue().endswith("\n")

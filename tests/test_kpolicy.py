@@ -401,3 +401,84 @@ def test_verify_cost_is_monotone_in_k_when_the_rows_curve_and_the_per_k_costs_di
     assert s.timing.load.forward_ms(16) == pytest.approx(20.0)
     s.timing.load.observe_forward(16, 80.0)  # the curve as measured in service replaces the cached one
     assert s.timing.load.forward_ms(16) == pytest.approx(80.0)
+
+
+def _round(k: int, accepted: int, draft_token_ms: float, verify_ms: float):
+    """A steady round alone on the pair (record fields as the rounds write them)."""
+    from orchestrator.record import RoundRecord
+    drafts = tuple(range(1, k + 1))
+    return RoundRecord("s", 2, 40, "cost", k, drafts, (0.9,) * k, (0.9,) * k, accepted,
+                       drafts[:accepted] + (99,), "", None, False, True, draft_token_ms * k,
+                       draft_token_ms if k else 0.0, verify_ms, verify_ms + 1.0,
+                       draft_token_ms * k + verify_ms + 2.0, 0, 1 if k == 0 else 0, 40, 0)
+
+
+def _drive(policy: CostModelPolicy, s: SessionStats, rounds: int, draft_ms, verify_ms, acceptance: float,
+           seed: int = 0) -> list[int]:
+    """Rounds chosen by `policy` on `s`, each observed as SessionStats.observe sees a live one;
+    draft_ms(r) / verify_ms(r, k) give round r's true costs, acceptance is geometric."""
+    import random
+    rnd, ks = random.Random(seed), []
+    for r in range(rounds):
+        k = policy.next_k(s, 0, 8)
+        accepted = 0
+        while accepted < k and rnd.random() < acceptance:
+            accepted += 1
+        s.observe(_round(k, accepted, draft_ms(r), verify_ms(r, k)))
+        ks.append(k)
+    return ks
+
+
+def test_one_slow_target_only_round_does_not_price_every_k_alike_for_good() -> None:
+    """One k = 0 verify 10x its cost (a GC pause, a neighbour's burst) raised k = 0's price, and the
+    envelope carried it to every k: k = 0 never looked cheaper than drafting again and, re-measured
+    only when chosen, it stayed so. Here the verify grows with k (a CPU) so that target-only wins,
+    and the stuck policy drafted k = 5 at about 60 % of target-only's rate."""
+    def true_verify(r: int, k: int) -> float:
+        return 100.0 * (1 + 0.5 * k)
+    s = stats_with(0.6, draft_ms=10.0)
+    s.timing.seed(10.0, {k: true_verify(0, k) for k in range(9)})
+    policy = CostModelPolicy()
+    assert policy.next_k(s, 0, 8) == 0
+    s.timing.observe_verify(0, 1000.0)
+    assert s.timing.verify_ms(0) == pytest.approx(s.timing.verify_ms(1)) and policy.next_k(s, 0, 8) > 0
+    ks = _drive(policy, s, 200, lambda r: 10.0, true_verify, acceptance=0.6)
+    assert ks[0] > 0  # it drafts while k = 0 looks dear...
+    # ...and is back within 30 rounds: target-only, or k = 1 (its probes, and here as fast: 1.6 tokens
+    # in 160 ms), never the dear k >= 2 it was stuck at before.
+    assert max(ks[30:]) <= 1 and ks[30:].count(0) >= 150
+    assert s.timing.verify_ms(0) == pytest.approx(100.0, rel=0.05)
+
+
+def test_the_draft_cost_after_a_slow_spell_follows_the_first_probe() -> None:
+    """The draft is 40x slower for 20 rounds, then fast again. Its cost is only seen while drafting,
+    so the estimate from the slow spell is as old as the target-only stretch after it: the probe's
+    measurement replaces most of it. (Before: each probe moved it 20 % of the way, failed, and
+    doubled the wait for the next; 95 target-only rounds after the spell ended.)"""
+    s = stats_with(0.8, draft_ms=5.0)
+    s.timing.seed(5.0, {k: 100.0 + 2 * k for k in range(9)})
+    ks = _drive(CostModelPolicy(), s, 200, lambda r: 200.0 if r < 20 else 5.0, lambda r, k: 100.0 + 2 * k,
+                acceptance=0.8)
+    assert ks[0] > 0 and ks[5:20].count(0) >= 13  # it drafts, then stops while the draft is slow
+    back = next(i for i, k in enumerate(ks[20:]) if k > 1)
+    assert back <= 40, ks  # one probe's wait (16 rounds, doubled per failed probe), not 95 rounds
+    assert s.timing.draft_ms_per_token.value == pytest.approx(5.0, rel=0.2)
+    # While drafting, one slow sample still moves the estimate only its usual 20 %.
+    fresh = stats_with(0.8, draft_ms=5.0)
+    fresh.timing.seed(5.0, {})
+    fresh.observe(_round(3, 3, 5.0, 100.0))
+    fresh.observe(_round(3, 3, 105.0, 100.0))
+    assert fresh.timing.draft_ms_per_token.value == pytest.approx(25.0)
+
+
+def test_ks_in_use_keep_their_measured_cost_and_unseen_ones_follow_the_calibrated_shape() -> None:
+    """Only a k not measured lately drifts towards its startup cost at the machine's current speed:
+    rounds alternating between k = 3 and 4 across a GEMM step the calibration missed keep the step
+    (relaxing them too settled at 221 / 284 for 200 / 300), while k = 8, never measured, follows
+    the calibrated shape at the speed k = 3 and 4 show."""
+    t = SessionStats().timing
+    t.seed(10.0, {k: 100.0 + 10 * k for k in range(9)})
+    for r in range(200):
+        t.observe_verify(3 if r % 2 == 0 else 4, 200.0 if r % 2 == 0 else 300.0)
+    assert t.verify_by_k[3].value == pytest.approx(200.0) and t.verify_by_k[4].value == pytest.approx(300.0)
+    assert 180.0 * 200.0 / 130.0 < t.verify_by_k[8].value < 180.0 * 300.0 / 140.0

@@ -13,8 +13,9 @@ import time
 import pytest
 
 from orchestrator.config import SpeculationConfig, SpeculationOverride
-from orchestrator.kpolicy import CostModelPolicy, Ewma, SessionStats
+from orchestrator.kpolicy import CostModelPolicy, Ewma, SessionStats, predraft_depth
 from orchestrator.record import RoundRecord
+from specdec.contract import slot_key
 from specdec.errors import SessionNotFound
 from tests.stack import cancel_stream_after, draft_stub, start_stack, target_stub
 from tests.test_e2e_generate import reference_greedy
@@ -70,23 +71,34 @@ async def test_sampled_pipelined_output_is_the_serial_output_token_for_token(sam
 
 
 async def test_multi_turn_session_with_pipelining_matches_serial() -> None:
-    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.03")
+    # A target slower than the draft, so that branch pre-drafts fit in its verifies and get taken.
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.03", target_call_delay_ms=40.0)
+    recorded: list[RoundRecord] = []
+
+    class Recorder:
+        def observe(self, record: RoundRecord) -> None:
+            recorded.append(record)
+    stack.orch.engine.observers.append(Recorder())
     try:
         outputs = {}
         for pipeline in (False, True):
             sid = f"chat-{pipeline}"
             turns = []
-            for turn in ([5, 6, 7], [40, 41], [90, 91, 92]):
-                reply = await stack.generate(prompt_ids=turn, max_new_tokens=16, session_id=sid,
+            for turn in ([5, 6, 7], [40, 41], [90, 91, 92], [17, 18]):
+                reply = await stack.generate(prompt_ids=turn, max_new_tokens=24, session_id=sid,
                                              temperature=1.0, seed=3, speculation={"fixed_k": 4, "pipeline": pipeline})
                 turns.append(list(reply.token_ids))
             outputs[pipeline] = turns
             # What the orchestrator believes the draft holds, it holds (a pre-draft cancelled at the
             # end of the turn may have added more; the next commit crops what the target did not confirm).
+            # On the slot the session drafts from now: after a taken branch that is not slot 0.
             session = stack.orch.engine.sessions.get(sid)
             await asyncio.sleep(0.2)  # let a cancelled pre-draft finish on the worker
-            held = stack.draft.core.session_tokens(sid)
+            held = stack.draft.core.session_tokens(slot_key(sid, session.draft_slot))
             assert held is not None and held[:len(session.draft_view.tokens)] == session.draft_view.tokens
+            if pipeline:
+                branch_hits = sum(r.predraft_branch_hit is True for r in recorded if r.session_id == sid)
+                assert branch_hits > 0, "no branch was taken: the slot check checked slot 0 only"
         assert outputs[True] == outputs[False]
     finally:
         await stack.close()
@@ -159,12 +171,32 @@ def test_pipelined_cost_model_hides_the_draft_on_hits() -> None:
     borderline = _stats(a=0.6, draft_ms=60.0, verify_ms=100.0, rtt=10.0, bonus=0.9)
     assert serial.next_k(borderline, 0, 8) == 0 and piped.next_k(borderline, 0, 8) >= 1
     # Where the bonus is never guessed, pipelining predicts nothing better than serial.
+    # Worse, where the pre-draft outlasts the verify: a fully accepted round waits for it to learn
+    # its guess of the bonus token, and only then drafts serially.
     never = _stats(a=0.9, draft_ms=30.0, verify_ms=100.0, rtt=10.0, bonus=0.0)
-    assert CostModelPolicy.tokens_per_ms(never, 3, True) == pytest.approx(CostModelPolicy.tokens_per_ms(never, 3, False))
-    # A hit costs max(draft of k+1, verify) + rtt: with the draft slower than the verify, the
-    # overhang is paid.
+    assert CostModelPolicy.tokens_per_ms(never, 3, True) < CostModelPolicy.tokens_per_ms(never, 3, False)
+    fast_draft = _stats(a=0.9, draft_ms=5.0, verify_ms=100.0, rtt=10.0, bonus=0.0)
+    assert CostModelPolicy.tokens_per_ms(fast_draft, 3, True) == pytest.approx(
+        CostModelPolicy.tokens_per_ms(fast_draft, 3, False))
+    # A hit costs max(draft, verify) + rtt: with the draft slower than the verify, the overhang is
+    # paid. The pre-draft after k = 3 drafts the bonus guess and k more (4 tokens, 200 ms against a
+    # 100 ms verify): the one past k, for growing k, only where it fits in the verify's shadow.
     slow = _stats(a=1.0, draft_ms=50.0, verify_ms=100.0, rtt=0.0, bonus=1.0)
-    assert CostModelPolicy.tokens_per_ms(slow, 3, True) == pytest.approx(4 / 200.0)
+    slow.timing.draft_rtt_ms = Ewma(0.2, 0.0)
+    assert predraft_depth(3, 8, slow.timing) == 4 and CostModelPolicy.tokens_per_ms(slow, 3, True) == pytest.approx(4 / 200.0)
+    assert predraft_depth(3, 8) == 5 and predraft_depth(8, 8) == 9 and predraft_depth(32, 32) == 32
+    quick = _stats(a=1.0, draft_ms=10.0, verify_ms=100.0, rtt=0.0, bonus=1.0)
+    assert predraft_depth(3, 8, quick.timing) == 5 and predraft_depth(3, 3, quick.timing) == 4
+
+
+def test_a_hit_saves_the_serial_draft_call_not_the_whole_predraft() -> None:
+    """The pre-draft after k = 3 drafts 5 tokens; the round uses 3. A serial round would have made
+    one call of 3 forwards, so that is what the hit hid (less any wait), not the 5 forwards."""
+    from orchestrator.rounds import hit_saved_ms
+    assert hit_saved_ms(110.0, 5, 3, 20.0, 0.0) == pytest.approx(70.0)  # 10 ms RTT + 3 x 20 ms
+    assert hit_saved_ms(110.0, 5, 3, 20.0, 30.0) == pytest.approx(40.0)
+    assert hit_saved_ms(110.0, 5, 3, 20.0, 90.0) == 0.0
+    assert hit_saved_ms(110.0, 3, 3, 20.0, 0.0) == pytest.approx(110.0)
 
 
 def test_bonus_match_is_learned_only_after_fully_accepted_rounds() -> None:
@@ -221,10 +253,27 @@ async def test_emulated_latency_delays_both_directions_and_keeps_errors() -> Non
         started = time.perf_counter()
         info = await stub.GetInfo(common_pb2.GetInfoRequest(), timeout=10)
         assert info.role == "draft" and time.perf_counter() - started >= 0.060  # 2 x 30 ms, at least
+        # Each direction: the request reaches the worker 30 ms after it was sent, and its answer
+        # (here an error) reaches the caller 30 ms after the worker gave it.
+        arrived: list[float] = []
+        original = stack.draft.engine.propose_steps
+
+        def timed(params):
+            arrived.append(time.perf_counter())
+            return original(params)
+        stack.draft.engine.propose_steps = timed
+        started = time.perf_counter()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Propose(worker_pb2.ProposeRequest(session_id="missing", k=2,
                                                          commit=common_pb2.CacheCommit(cache_len=5)), timeout=10)
+        ended = time.perf_counter()
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert arrived and arrived[0] - started >= 0.030 and ended - arrived[0] >= 0.030
+        # The caller's deadline covers the emulated round trip: 50 ms against 60 ms of network.
+        started = time.perf_counter()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.GetInfo(common_pb2.GetInfoRequest(), timeout=0.05)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.perf_counter() - started < 0.5
     finally:
         await channel.close()
         await stack.close()
@@ -596,6 +645,9 @@ async def test_a_draft_that_ignores_slots_turns_branches_off() -> None:
         reply = await _generate(stack, True, max_new_tokens=40)
         assert list(reply.token_ids) == reference_greedy(PROMPT, 40)
         assert any(slot > 0 for slot in forks) and stack.orch.engine.draft_branch_slots == 0
+        # Off from the round that found out, not from the next turn: only that round's branches
+        # (at most pipeline_branches, sent together) ever asked for a slot.
+        assert sum(slot > 0 for slot in forks) <= SpeculationConfig().pipeline_branches
         forks.clear()
         reply = await _generate(stack, True, max_new_tokens=40)
         assert list(reply.token_ids) == reference_greedy(PROMPT, 40) and forks and set(forks) == {0}

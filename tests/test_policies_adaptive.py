@@ -149,10 +149,12 @@ def test_config_file_rejects_unknown_keys(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("line", ["max_k = 6.0", "min_k = 0.5", "fixed_k = 2.5", "heuristic_initial_k = 2.5",
                                   "probe_every = true", "bandit_prior_weight = '2'", "policy = 3",
-                                  "pipeline = 1"])
+                                  "pipeline = 1", "bandit_prior_weight = inf", "bandit_exploration = inf",
+                                  "guard_margin = nan", "min_draft_prob = -inf", "bandit_exploration = " + "9" * 400])
 def test_config_file_rejects_values_of_the_wrong_type(tmp_path: Path, line: str) -> None:
     """Refused when the file is read, not at the first request (a float k reached range() or a
-    worker call: INTERNAL on every request)."""
+    worker call: INTERNAL on every request; an infinite bandit weight made every arm NaN, so the
+    bandit chose k = 0 for ever)."""
     bad = tmp_path / "bad.toml"
     bad.write_text(f"[speculation]\n{line}\n")
     with pytest.raises(ValueError, match=line.split()[0]):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from specdec.errors import DeadlineExceeded, WorkerUnavailable
+from specdec.errors import CapacityExceeded, DeadlineExceeded, WorkerUnavailable
 from specdec.scheduler import BatchLimits, BatchScheduler, QueueFull, _Return
 
 WAIT_S = 10.0
@@ -30,6 +30,7 @@ class FakeForward:
         self.gate = threading.Event()
         self.gate.set()
         self.fail_with: str | None = None  # fail the first forward that has this session
+        self.error: Exception | None = None  # ... with this error (else "forward failed")
 
     def hold(self) -> None:
         self.gate.clear()
@@ -42,7 +43,7 @@ class FakeForward:
         self.rows.append([len(s.tokens) for s in steps])
         if self.fail_with in [s.session for s in steps]:
             self.fail_with = None
-            raise RuntimeError("forward failed")
+            raise self.error or RuntimeError("forward failed")
         return [len(s.tokens) for s in steps]
 
 
@@ -169,6 +170,47 @@ def test_full_queue_is_refused_with_a_retry_hint(forward) -> None:
         scheduler.close()
 
 
+def test_the_retry_hint_is_when_a_queue_place_frees() -> None:
+    """A queue place frees when a waiting call is admitted, which is when an active call ends: after
+    all its forwards. With 9-forward calls and 50 ms forwards (a fake clock: no wall-clock timing),
+    a call refused while one runs and one waits is taken 450 ms later; the hint said 100 ms
+    (forward time x (1 + waiting / max_batch))."""
+    now = [0.0]
+    gate, entered = threading.Event(), threading.Event()
+    gate.set()
+
+    def forward(steps):
+        entered.set()
+        assert gate.wait(WAIT_S)
+        now[0] += 0.05  # each forward: 50 ms of the fake clock
+        return [0] * len(steps)
+    scheduler = BatchScheduler(forward, BatchLimits(max_batch=1, max_queue=1, window_ms=0.0), clock=lambda: now[0])
+    try:
+        for s in ("w1", "w2", "w3"):  # what it measures: 50 ms forwards, 9 forwards a call
+            scheduler.submit(s, call(s, steps=9))[0].result(WAIT_S)
+        gate.clear()
+        entered.clear()
+        running, _ = scheduler.submit("a", call("a", steps=9))
+        assert entered.wait(WAIT_S)  # a is in its first forward
+        admitted_at: list[float] = []
+
+        def queued_call():
+            admitted_at.append(now[0])
+            return (yield from call("b", steps=9)())
+        queued, _ = scheduler.submit("b", queued_call)
+        with pytest.raises(QueueFull) as refused:
+            scheduler.submit("c", call("c", steps=9))
+        refused_at = now[0]
+        gate.set()
+        running.result(WAIT_S), queued.result(WAIT_S)
+        waited_ms = 1000.0 * (admitted_at[0] - refused_at)  # b admitted: the queue place freed
+        assert waited_ms == pytest.approx(450.0)
+        assert 0.5 * waited_ms <= refused.value.retry_after_ms <= 2.0 * waited_ms, refused.value.retry_after_ms
+    finally:
+        gate.set()
+        scheduler.close()
+
+
 def test_max_queue_zero_means_no_waiting_room_not_no_calls(forward) -> None:
     scheduler = make_scheduler(forward, max_batch=1, max_queue=0)
     try:
@@ -271,6 +313,85 @@ def test_a_failed_forward_fails_its_calls_and_the_scheduler_goes_on(forward) -> 
         assert scheduler.submit("c", call("c"))[0].result(WAIT_S) == [1]
     finally:
         scheduler.close()
+
+
+class OutOfMemoryError(RuntimeError):
+    """Stands for torch.OutOfMemoryError (CUDA's; matched by name, the scheduler has no torch)."""
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                 "you tried to allocate 4611686018427387904 bytes. Error code 12 (Cannot allocate memory)"),
+    OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+], ids=["cpu", "cuda"])
+def test_a_forward_out_of_memory_fails_its_calls_as_capacity_not_internal(forward, error) -> None:
+    """Running out of memory is load, not a bug: both calls of the batch get RESOURCE_EXHAUSTED with
+    a retry hint (they were INTERNAL), and the scheduler goes on."""
+    scheduler = make_scheduler(forward)
+    log: list = []
+    try:
+        blocker, _ = submit_held(scheduler, forward, "x", call("x"))
+        futures = [scheduler.submit(s, call(s, steps=2, log=log))[0] for s in ("a", "b")]
+        forward.fail_with, forward.error = "a", error
+        forward.gate.set()
+        assert blocker.result(WAIT_S) == [1]
+        for f in futures:
+            with pytest.raises(CapacityExceeded, match="out of memory") as failed:
+                f.result(WAIT_S)
+            assert failed.value.code_name == "RESOURCE_EXHAUSTED" and failed.value.retry_after_ms > 0
+            assert "2 calls" in str(failed.value) and failed.value.__cause__ is error
+        assert ["a", "b"] in forward.batches and ("cleanup", "a") in log and ("cleanup", "b") in log
+        assert scheduler.submit("c", call("c"))[0].result(WAIT_S) == [1]
+    finally:
+        scheduler.close()
+
+
+def test_a_steps_own_out_of_memory_is_capacity_too() -> None:
+    """Steps run one at a time hand back their own error: an allocation failure there maps the same way."""
+    def forward_out_of_memory_for_b(steps):
+        return [RuntimeError("not enough memory: you tried to allocate 1 GB") if s.session == "b" else len(s.tokens)
+                for s in steps]
+
+    scheduler = make_scheduler(forward_out_of_memory_for_b)
+    try:
+        futures = {s: scheduler.submit(s, call(s))[0] for s in ("a", "b")}
+        assert futures["a"].result(WAIT_S) == [1]
+        with pytest.raises(CapacityExceeded, match="out of memory"):
+            futures["b"].result(WAIT_S)
+    finally:
+        scheduler.close()
+
+
+def test_a_failure_of_the_model_thread_fails_every_call_and_every_later_one(forward, caplog) -> None:
+    """A bug outside the calls' own error handling (here in _select) killed the model thread
+    silently: its calls and every later one waited forever (a Verify for the orchestrator's whole
+    --target-timeout-s). Now they fail UNAVAILABLE, the error is logged with its traceback, and the
+    worker is told (on_failure: its health goes NOT_SERVING)."""
+    failures: list[BaseException] = []
+    log: list = []
+    scheduler = make_scheduler(forward, max_batch=1)
+    scheduler.on_failure(failures.append)
+    running, _ = submit_held(scheduler, forward, "a", call("a", steps=3, log=log))
+    waiting, _ = scheduler.submit("b", call("b", log=log))
+
+    def broken_select():
+        raise AssertionError("a bug in selection")
+    scheduler._select = broken_select  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, logger="specdec.scheduler"):
+        forward.gate.set()
+        for future in (running, waiting):
+            with pytest.raises(WorkerUnavailable, match="model thread .* failed .*a bug in selection"):
+                future.result(WAIT_S)
+        scheduler._thread.join(WAIT_S)
+    assert log == [("start", "a"), ("cleanup", "a")]  # a's steps closed (its session unpinned); b never started
+    assert len(failures) == 1 and isinstance(failures[0], AssertionError)
+    assert [r.exc_info[1] for r in caplog.records if r.exc_info] == failures
+    with pytest.raises(WorkerUnavailable, match="model thread"):  # refused at once, not left to hang
+        scheduler.submit("c", call("c"))
+    told: list[BaseException] = []
+    scheduler.on_failure(told.append)  # registered late: told at once
+    assert len(told) == 1
+    scheduler.close()
 
 
 def test_errors_inside_a_call_reach_only_that_call(forward) -> None:
@@ -539,6 +660,48 @@ def test_an_end_session_never_overtakes_its_own_sessions_earlier_call(forward) -
         forward.gate.set()
         busy.result(WAIT_S), first.result(WAIT_S), ended.result(WAIT_S)
         assert events == [("start", "s"), ("cleanup", "s"), ("end", "s")], events
+    finally:
+        scheduler.close()
+
+
+def test_an_end_session_waits_for_the_calls_on_every_slot_of_its_session(forward) -> None:
+    """A draft's branch slots are calls of their own (contract.slot_key), but an EndSession ends every
+    slot: it ran beside a call on slot 1, freed that slot's pinned cache mid-call, and the call's end
+    put the slot back among the sessions expected (_returns), so later forwards waited for it."""
+    from specdec.contract import session_of, slot_key
+    events: list[str] = []
+
+    def end_session():
+        events.append("EndSession ran")
+        return
+        yield  # a generator that runs no forward
+
+    def slot_call(tag: str):
+        def make():
+            events.append(f"{tag} start")
+            try:
+                yield Step(tag, [0])
+                yield Step(tag, [0])
+            finally:
+                events.append(f"{tag} end")
+        return make
+    scheduler = make_scheduler(forward)
+    try:
+        running, _ = submit_held(scheduler, forward, slot_key("s", 1), slot_call("slot1"))
+        ended, _ = scheduler.submit("s", end_session, ends_session=True)
+        assert scheduler.snapshot().waiting == 0  # it waits, but takes no slot: not queued
+        forward.gate.set()
+        running.result(WAIT_S), ended.result(WAIT_S)
+        assert events == ["slot1 start", "slot1 end", "EndSession ran"], events
+        assert not [key for key in scheduler._returns if session_of(key) == "s"]
+        # A call on another slot that arrives after the EndSession runs after it (arrival order).
+        events.clear()
+        running, _ = submit_held(scheduler, forward, "s", slot_call("slot0"))
+        ended, _ = scheduler.submit("s", end_session, ends_session=True)
+        later, _ = scheduler.submit(slot_key("s", 2), slot_call("slot2"))
+        forward.gate.set()
+        running.result(WAIT_S), ended.result(WAIT_S), later.result(WAIT_S)
+        assert events == ["slot0 start", "slot0 end", "EndSession ran", "slot2 start", "slot2 end"], events
     finally:
         scheduler.close()
 
@@ -986,3 +1149,18 @@ def test_session_store_flags_are_checked_before_the_model_loads() -> None:
         with pytest.raises(SystemExit, match="needs"):
             check_worker_flags(parser.parse_args(flags))
     check_worker_flags(parser.parse_args(["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"]))
+
+
+@pytest.mark.parametrize("max_k", ["0", "-1", "33", "100000"])
+def test_worker_max_k_is_checked_before_the_model_loads(max_k: str) -> None:
+    """--max-k was never checked: a negative one was taken, a huge one forced a calibration forward
+    of that many rows."""
+    import argparse
+
+    from specdec.worker_server import add_worker_args, check_worker_flags
+    parser = argparse.ArgumentParser()
+    add_worker_args(parser, "tiny:seed=0")
+    with pytest.raises(SystemExit, match=r"--max-k must be in \[1, 32\]"):
+        check_worker_flags(parser.parse_args(["--max-k", max_k]))
+    for fine in ("1", "8", "32"):
+        check_worker_flags(parser.parse_args(["--max-k", fine]))

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from typing import TextIO
 from pathlib import Path
 
 from specdec.tools.client import build_request, format_stats, stream_generate
@@ -48,20 +49,33 @@ class Service:
         self._log.close()
 
 
-def wait_ready(services: list[Service], timeout_s: float) -> None:
-    """Show loading progress until every service has written its port file."""
+def wait_ready(services: list[Service], timeout_s: float, out: TextIO | None = None) -> None:
+    """Show loading progress until every service has written its port file. On a terminal one line
+    is redrawn every 0.5 s; into a file or a pipe (CI logs, `make demo | tee`) a line is written only
+    when a service's state changes (redrawing with carriage returns there piles up one line of
+    hundreds of states)."""
+    out = out or sys.stdout
+    redraw = out.isatty()
     start = time.monotonic()
+    last_line = ""
     while True:
         states = []
-        for svc in services:
+        ports = [svc.port for svc in services]  # read once: the line shows what the exit test sees
+        for svc, port in zip(services, ports):
             if svc.proc.poll() is not None:
                 tail = svc.log_path.read_text()[-3000:]
                 raise SystemExit(f"\n{svc.name} exited with code {svc.proc.returncode}:\n{tail}")
-            states.append(f"{svc.name}: {'ready :' + str(svc.port) if svc.port else 'loading'}")
+            states.append(f"{svc.name}: {'ready :' + str(port) if port else 'loading'}")
         elapsed = time.monotonic() - start
-        print(f"\r[{elapsed:5.1f}s] " + " | ".join(states) + "   ", end="", flush=True)
-        if all(svc.port for svc in services):
-            print()
+        line = " | ".join(states)
+        if redraw:
+            print(f"\r[{elapsed:5.1f}s] {line}   ", end="", file=out, flush=True)
+        elif line != last_line:
+            print(f"[{elapsed:5.1f}s] {line}", file=out, flush=True)
+        last_line = line
+        if all(ports):
+            if redraw:
+                print(file=out)
             return
         if elapsed > timeout_s:
             raise SystemExit(f"\nservices not ready after {timeout_s:.0f}s; logs in {services[0].log_path.parent}")

@@ -1,0 +1,215 @@
+"""The GEMM path's measurement (specdec/linear_path.py): a layer larger than COLD_BYTES timed on a
+slice of its rows, the check that a path computes F.linear's product before it may be chosen, and
+`--gemm-path library`. Tiny models on CPU; the timings are faked where a test needs one path to win."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec import linear_path
+from specdec.calibration import calibrate
+from specdec.models import load_model
+from specdec.worker_core import WorkerCore
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _favouring(fast: str) -> Callable[..., dict[str, float]]:
+    """A best_ms that runs every path once (as the real one does) and says `fast` is 10x faster."""
+    def best_ms(runs: dict[str, Callable[[], object]], reps: int, **kwargs: object) -> dict[str, float]:
+        for run in runs.values():
+            run()
+        return {path: 0.1 if path == fast else 1.0 for path in runs}
+    return best_ms
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, linear_path.PathLinear))]
+
+
+def test_a_packed_path_that_is_off_by_1e_3_is_never_chosen(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A float32 packed product 0.1 % off (what a path computing in a coarser type looks like) is
+    dropped before timing, however fast it is; before the check it was chosen for every shape."""
+    if not linear_path.packing_supported(torch.float32):
+        pytest.skip("oneDNN packing refuses float32 here")
+    honest = linear_path.packed_linear
+    monkeypatch.setattr(linear_path, "packed_linear", lambda *args: honest(*args) * (1 + 1e-3))
+    monkeypatch.setattr(linear_path, "best_ms", _favouring(linear_path.PACKED))
+    model = load_model("tiny:seed=0").model
+    with caplog.at_level(logging.WARNING, logger="specdec.linear_path"):
+        choice = linear_path.measure(model, max_m=4, budget_s=60, reps=1)
+    assert choice.complete and choice.plans
+    assert not any(plan.packed for plan in choice.plans.values())
+    assert all(linear_path.PACKED not in timing for timing in choice.timings.values())
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "packed" in r.getMessage()]
+    assert len(warned) == len(choice.plans), caplog.text  # once per shape
+    assert "reduction-order tolerance" in warned[0].getMessage()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_wrong_weight_left_is_never_chosen(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                             dtype: torch.dtype) -> None:
+    """Weight-left reading the weight in the wrong layout (its storage taken as [in, out]): dropped,
+    so no row count of any shape runs it, however fast it is."""
+    def transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.matmul(x, weight.reshape(weight.shape[1], weight.shape[0]))
+        return y if bias is None else y + bias
+
+    monkeypatch.setattr(linear_path, "weight_left", transposed)
+    monkeypatch.setattr(linear_path, "best_ms", _favouring(linear_path.WEIGHT_LEFT))
+    model = load_model("tiny:seed=0", dtype).model
+    with caplog.at_level(logging.WARNING, logger="specdec.linear_path"):
+        choice = linear_path.measure(model, max_m=4, budget_s=60, reps=1)
+    assert choice.complete and choice.plans
+    assert not any(plan.weight_left_at(m) for plan in choice.plans.values() for m in range(1, 70))
+    assert all(linear_path.WEIGHT_LEFT not in timing for timing in choice.timings.values())
+    assert sum("weight_left" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING) == len(
+        choice.plans)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_honest_paths_agree_with_f_linear(dtype: torch.dtype, caplog: pytest.LogCaptureFixture) -> None:
+    """Weight-left and the packed path differ from F.linear only in the order of the sums: within the
+    tolerance, with and without a (large, as Qwen2's k/v projections have) bias, at decode and prompt
+    row counts; and a whole tiny model's measurement drops no path."""
+    torch.manual_seed(0)
+    packs = linear_path.packing_supported(dtype)
+    for out_features, in_features, bias in ((80, 48, True), (256, 1536, True), (1536, 256, False),
+                                            (512, 4096, False)):
+        linear = torch.nn.Linear(in_features, out_features, bias=bias).to(dtype)
+        if bias:
+            with torch.no_grad():
+                linear.bias.mul_(50)
+        packed = linear_path.pack(linear.weight) if packs else None
+        for m in (1, 3, 16, 64):
+            x = torch.randn(m, in_features).to(dtype)
+            reference = F.linear(x, linear.weight, linear.bias)
+            paths = {"weight_left": linear_path.weight_left(x, linear.weight, linear.bias)}
+            if packed is not None:
+                paths["packed"] = linear_path.packed_linear(x, packed, linear.bias, out_features)
+            for path, y in paths.items():
+                error = linear_path.agreement(y, reference, linear.bias, in_features)
+                assert error <= 1.0, (path, dtype, out_features, in_features, m, error)
+    model = load_model("tiny:seed=0", dtype).model
+    with caplog.at_level(logging.WARNING, logger="specdec.linear_path"):
+        choice = linear_path.measure(model, max_m=4, budget_s=60, reps=1)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    expected = {linear_path.LINEAR, linear_path.WEIGHT_LEFT} | ({linear_path.PACKED} if packs else set())
+    assert all(set(timing) == expected for timing in choice.timings.values())
+
+
+def test_the_tolerance_rejects_a_coarser_product() -> None:
+    """The tolerance admits reduction order, not precision: a float32 product of bf16-rounded operands,
+    a 0.1 % scale, another dtype or a NaN are all out; a bf16 output one ulp off is in."""
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(1536, 256)
+    x = torch.randn(3, 1536)
+    reference = F.linear(x, linear.weight, linear.bias)
+    coarse = F.linear(x.bfloat16().float(), linear.weight.bfloat16().float(), linear.bias)
+    assert linear_path.agreement(coarse, reference, linear.bias, 1536) > 10
+    assert linear_path.agreement(reference * (1 + 1e-3), reference, linear.bias, 1536) > 10
+    assert linear_path.agreement(reference.double(), reference, linear.bias, 1536) == float("inf")
+    nan = reference.clone()
+    nan[0, 0] = float("nan")
+    assert linear_path.agreement(nan, reference, linear.bias, 1536) == float("inf")
+    half = reference.bfloat16()
+    one_ulp = torch.nextafter(half, torch.full_like(half, float("inf")))
+    assert linear_path.agreement(one_ulp, half, linear.bias.bfloat16(), 1536) <= 1.0
+
+
+def test_a_weight_row_of_large_norm_does_not_fail_an_honest_path() -> None:
+    """Each output's tolerance scales with its own terms: a row 300x the others rounds its sums
+    300x coarser. Against one scale for the whole output (the product's RMS) an honest blocked or
+    sequential float32 sum of such a layer was over the tolerance, and the path would be dropped."""
+    torch.manual_seed(2)
+    weight = torch.randn(1024, 4096) * 0.02
+    weight[7] *= 300.0
+    for m in (1, 16):
+        x = torch.randn(m, 4096)
+        reference = F.linear(x, weight)
+        scale = linear_path.term_norms(x, weight)
+        # A sequential float32 sum: the coarsest honest order there is.
+        sequential = torch.zeros(m, 1024)
+        for chunk in torch.split(torch.arange(4096), 1):
+            sequential += x[:, chunk] * weight[:, chunk].T
+        assert linear_path.agreement(sequential, reference, None, 4096, scale) <= 1.0
+        assert linear_path.agreement(reference * (1 + 1e-3), reference, None, 4096, scale) > 5
+        coarse = F.linear(x.bfloat16().float(), weight.bfloat16().float())
+        assert linear_path.agreement(coarse, reference, None, 4096, scale) > 10
+
+
+def test_a_layer_larger_than_cold_bytes_is_timed_on_a_slice_of_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single layer past COLD_BYTES (an LM head): one pass over about COLD_BYTES of its first rows, a
+    view (no copy), the time scaled to the whole layer. Smaller layers: whole layers, the time per layer."""
+    model = load_model("tiny:seed=0").model
+    head = model.lm_head  # 260 x 64 float32: 65 KiB; the MLP's 128 x 64 layers: 32 KiB each
+    monkeypatch.setattr(linear_path, "COLD_BYTES", 40 << 10)
+    monkeypatch.setattr(linear_path, "ROW_BLOCK", 16)
+    monkeypatch.setattr(linear_path, "best_ms", lambda runs, reps, **kwargs: {path: 1.0 for path in runs})
+    timer = linear_path._ShapeTimer([head], reps=1, can_pack=False)
+    (weight, _), = timer.weights
+    assert weight.shape == (160, 64) and weight.data_ptr() == head.weight.data_ptr()  # 40 KiB / 256 B rows
+    timer.time(2)
+    assert timer.ms[linear_path.LINEAR][2] == pytest.approx(260 / 160)
+    ups = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 128]
+    timer = linear_path._ShapeTimer(ups, reps=1, can_pack=False)
+    assert len(timer.weights) == 2 and all(w is lin.weight for (w, _), lin in zip(timer.weights, ups))
+    timer.time(2)
+    assert timer.ms[linear_path.LINEAR][2] == pytest.approx(0.5)
+
+
+def test_library_gemm_path_swaps_nothing_and_still_measures_the_curve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--gemm-path library: F.linear everywhere (nothing measured for it, nothing swapped), and the
+    cost curve measured as with auto (before, only --calibration-s 0 kept F.linear, with no curve)."""
+    def no_measuring(*args: object, **kwargs: object) -> linear_path.PathChoice:
+        raise AssertionError("library measures no GEMM path")
+
+    monkeypatch.setattr(linear_path, "measure", no_measuring)
+    core = WorkerCore(load_model("tiny:seed=0"), "target")
+    calibrate(core, max_k=3, budget_s=5, gemm_path="library")
+    linears = _linears(core.model)
+    assert linears and all(type(m) is torch.nn.Linear for m in linears)
+    assert "library" in core.gemm_path
+    assert {1, 4} <= {t for t, _, _ in core.cost_curve.points}
+    with pytest.raises(ValueError, match="gemm_path"):
+        calibrate(core, max_k=3, budget_s=5, gemm_path="fastest")
+
+
+def test_the_worker_flag_defaults_to_auto() -> None:
+    import argparse
+    from specdec.worker_server import add_worker_args
+    parser = argparse.ArgumentParser()
+    add_worker_args(parser, "tiny:seed=0")
+    assert parser.parse_args([]).gemm_path == "auto"
+    assert parser.parse_args(["--gemm-path", "library"]).gemm_path == "library"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--gemm-path", "packed"])
+
+
+def test_only_a_shapes_first_timing_warms_up_on_the_whole_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm-up sets up one GEMM shape's kernels: after the shape's first timing (which also faults a
+    memory-mapped checkpoint in) it runs on the last layer only, so the timed pass still starts cold."""
+    warmed: list[int] = []
+    real_best_ms = linear_path.best_ms
+
+    def best_ms(runs: dict[str, Callable[[], object]], reps: int,
+                warm_ups: dict[str, Callable[[], object]] | None = None, **kwargs: object) -> dict[str, float]:
+        warmed.append(len((warm_ups or runs)[linear_path.LINEAR]()))
+        return {path: 1.0 for path in runs}
+
+    monkeypatch.setattr(linear_path, "best_ms", best_ms)
+    model = load_model("tiny:seed=0").model
+    ups = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 128]
+    timer = linear_path._ShapeTimer(ups, reps=1, can_pack=False)
+    for m in (1, 2, 3):
+        timer.time(m)
+    assert warmed == [len(ups), 1, 1] and len(ups) > 1  # up and gate projections of both layers
+    calls = []
+    ms = real_best_ms({"linear": lambda: calls.append("run")}, reps=2,
+                             warm_ups={"linear": lambda: calls.append("warm")})
+    assert calls == ["warm", "run", "run"] and set(ms) == {"linear"}
