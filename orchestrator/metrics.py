@@ -43,8 +43,8 @@ class OrchestratorMetrics:
                                  "next round's drafts; miss: discarded)", ["outcome"], registry=r)
         self.guard_rounds = Counter("specdec_guard_rounds", "Guarded rounds by the pair guard's epoch (spec: "
                                     "the policy's k; off: k forced to 0 for the whole pair)", ["mode"], registry=r)
-        self.predraft_saved = Counter("specdec_predraft_saved_seconds", "Draft time that pipelined rounds "
-                                      "did not wait for", registry=r)
+        self.predraft_saved = Counter("specdec_predraft_saved_seconds", "Draft time pipelined rounds saved: "
+                                      "the serial draft calls their hits replaced, less the wait", registry=r)
         self.predraft_branch_hits = Counter("specdec_predraft_branch_hits", "Of the pre-draft hits, those whose "
                                             "drafts came from a branch (the correction guessed right)", registry=r)
 
