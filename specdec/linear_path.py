@@ -52,14 +52,15 @@ PREFILL_ROWS = 64
 COLD_BYTES = 192 << 20
 # A layer larger than COLD_BYTES is timed on its first rows, a multiple of this many (GEMM blocking).
 ROW_BLOCK = 256
-# A path agrees with F.linear where each output is within ACCUMULATION_TOL x sqrt(in_features) x float32's
-# eps x its scale (the norm of that output's terms, sqrt(sum_i (x_i w_ji)^2), plus its bias: a GEMM may
-# start its float32 sum from the bias; per output, so that a weight row of large norm, whose sums round
-# coarser, does not fail an honest path) of F.linear's, plus OUTPUT_ULPS units in the last place of the output's own dtype at that output or that
-# scale, the larger (each path rounds its sum once; one that adds a bias after a bf16 GEMM rounds twice, the
-# first time at the product's scale). On the 1.5B's weights in float32 the honest paths stayed within
-# 1.6 x sqrt(in) x eps x the scale (inside the ULPs in bf16, on the 0.5B's); a float32 product of
-# bf16-rounded operands was over 1000 of them off, a result scaled by 1 + 1e-3 over 500.
+# A path agrees with F.linear where each output is within ACCUMULATION_TOL x sqrt(in_features) x
+# float32's eps x its scale of F.linear's, plus OUTPUT_ULPS units in the last place of the output's own
+# dtype at that output or that scale, the larger. The scale is the norm of that output's terms,
+# sqrt(sum_i (x_i w_ji)^2), plus its bias (a GEMM may start its float32 sum from the bias); per output,
+# so that a weight row of large norm, whose sums round coarser, does not fail an honest path. Each path
+# rounds its sum once; one that adds a bias after a bf16 GEMM rounds twice, the first time at the
+# product's scale. On the 1.5B's weights in float32 the honest paths stayed within 1.6 x sqrt(in) x
+# eps x the scale (inside the ULPs in bf16, on the 0.5B's); a float32 product of bf16-rounded operands
+# was over 1000 of them off, a result scaled by 1 + 1e-3 over 500.
 ACCUMULATION_TOL = 8.0
 OUTPUT_ULPS = 2.0
 # Outputs of a shape's first layer the agreement check compares (the first ones).
@@ -106,22 +107,19 @@ def term_norms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.double().pow(2) @ weight.double().pow(2).T).sqrt()
 
 
-def agreement(y: torch.Tensor, reference: torch.Tensor, bias: torch.Tensor | None, in_features: int,
-              scale: torch.Tensor | None = None) -> float:
-    """How far a path's output `y` is from F.linear's `reference` (same input, weight and bias): the
-    worst output's difference over its tolerance (ACCUMULATION_TOL, OUTPUT_ULPS), so at most 1 where
-    the two differ only in the order of the sums; inf where the shape or dtype differs, or a NaN.
-    scale: each output's term norm (term_norms); without it, the RMS of the product stands in."""
+def agreement(y: torch.Tensor, reference: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None) -> float:
+    """How far a path's output `y` is from F.linear's `reference` for input x and this weight and bias:
+    the worst output's difference over its tolerance (ACCUMULATION_TOL, OUTPUT_ULPS, each output
+    scaled by its own terms, term_norms), so at most 1 where the two differ only in the order of the
+    sums; inf where the shape or dtype differs, or a NaN."""
     if y.shape != reference.shape or y.dtype != reference.dtype:
         return math.inf
     ref = reference.double()
-    if scale is None:
-        product = ref - bias.double() if bias is not None else ref
-        scale = (product.pow(2).mean().sqrt() if product.numel() else product.new_zeros(()))
-    scale = scale.double()
+    scale = term_norms(x, weight)
     if bias is not None:
         scale = scale + bias.double().abs()
-    tolerance = (ACCUMULATION_TOL * math.sqrt(in_features) * torch.finfo(torch.float32).eps * scale
+    tolerance = (ACCUMULATION_TOL * math.sqrt(weight.shape[1]) * torch.finfo(torch.float32).eps * scale
                  + OUTPUT_ULPS * torch.finfo(reference.dtype).eps * torch.maximum(ref.abs(), scale))
     excess = ((y.double() - ref).abs() / tolerance.clamp_min(torch.finfo(torch.float64).tiny)).nan_to_num(math.inf)
     return excess.max().item() if excess.numel() else 0.0
@@ -293,13 +291,12 @@ class _ShapeTimer:
                 x = x.to(device=first.weight.device, dtype=first.weight.dtype)
                 runs = self._runs(x, self.weights[:1], self.packed[:1])
                 reference = runs.pop(LINEAR)()[0][..., checked]
-                scale = term_norms(x, weight[checked])
                 for path, run in runs.items():
                     if path in dropped:
                         continue
                     try:
-                        error = agreement(run()[0][..., checked], reference,
-                                          None if bias is None else bias[checked], first.in_features, scale)
+                        error = agreement(run()[0][..., checked], reference, x, weight[checked],
+                                          None if bias is None else bias[checked])
                     except RuntimeError as exc:
                         dropped[path] = f"fails at M={m}: {exc}"
                         continue

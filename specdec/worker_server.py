@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import grpc
 
 from specdec import grpc_util
+from specdec.calibration import GEMM_PATHS, calibrate
 from specdec.errors import DeadlineExceeded
 from specdec.v1 import common_pb2
 from specdec.contract import MAX_BRANCH_SLOTS, MAX_K, CallStats, CostCurve, validate_session_id
@@ -104,7 +105,7 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
                         help="startup budget to choose the CPU GEMM path and measure the forward cost curve "
                              "(0 skips both; the k policy then starts from generic defaults); packing the "
                              "chosen weights comes on top (seconds for a 1.5B float32 model)")
-    parser.add_argument("--gemm-path", choices=("auto", "library"), default="auto",
+    parser.add_argument("--gemm-path", choices=GEMM_PATHS, default="auto",
                         help="auto: each weight shape's GEMM path (F.linear, weight-left, oneDNN-packed weights) "
                              "chosen by timing at startup, within half of --calibration-s; library: F.linear "
                              "everywhere, the kernels of HF generate (nearer its numerics), the cost curve still "
@@ -219,7 +220,6 @@ async def serve_worker(args: argparse.Namespace, role: str,
     log.info("loading %s model %s (%s on %s)", role, args.model, dtype, device)
     loaded = await asyncio.to_thread(load_model, args.model, dtype, str(device))
     core = WorkerCore(loaded, role, store_limits(args))
-    from specdec.calibration import calibrate
     await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s, args.gemm_path)
     servicer = make_servicer(core, batch_limits(args, core.cost_curve, role))
     credentials = None

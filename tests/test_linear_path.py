@@ -93,7 +93,7 @@ def test_the_honest_paths_agree_with_f_linear(dtype: torch.dtype, caplog: pytest
             if packed is not None:
                 paths["packed"] = linear_path.packed_linear(x, packed, linear.bias, out_features)
             for path, y in paths.items():
-                error = linear_path.agreement(y, reference, linear.bias, in_features)
+                error = linear_path.agreement(y, reference, x, linear.weight, linear.bias)
                 assert error <= 1.0, (path, dtype, out_features, in_features, m, error)
     model = load_model("tiny:seed=0", dtype).model
     with caplog.at_level(logging.WARNING, logger="specdec.linear_path"):
@@ -111,15 +111,15 @@ def test_the_tolerance_rejects_a_coarser_product() -> None:
     x = torch.randn(3, 1536)
     reference = F.linear(x, linear.weight, linear.bias)
     coarse = F.linear(x.bfloat16().float(), linear.weight.bfloat16().float(), linear.bias)
-    assert linear_path.agreement(coarse, reference, linear.bias, 1536) > 10
-    assert linear_path.agreement(reference * (1 + 1e-3), reference, linear.bias, 1536) > 10
-    assert linear_path.agreement(reference.double(), reference, linear.bias, 1536) == float("inf")
+    assert linear_path.agreement(coarse, reference, x, linear.weight, linear.bias) > 10
+    assert linear_path.agreement(reference * (1 + 1e-3), reference, x, linear.weight, linear.bias) > 10
+    assert linear_path.agreement(reference.double(), reference, x, linear.weight, linear.bias) == float("inf")
     nan = reference.clone()
     nan[0, 0] = float("nan")
-    assert linear_path.agreement(nan, reference, linear.bias, 1536) == float("inf")
+    assert linear_path.agreement(nan, reference, x, linear.weight, linear.bias) == float("inf")
     half = reference.bfloat16()
     one_ulp = torch.nextafter(half, torch.full_like(half, float("inf")))
-    assert linear_path.agreement(one_ulp, half, linear.bias.bfloat16(), 1536) <= 1.0
+    assert linear_path.agreement(one_ulp, half, x, linear.weight, linear.bias.bfloat16()) <= 1.0
 
 
 def test_a_weight_row_of_large_norm_does_not_fail_an_honest_path() -> None:
@@ -132,15 +132,14 @@ def test_a_weight_row_of_large_norm_does_not_fail_an_honest_path() -> None:
     for m in (1, 16):
         x = torch.randn(m, 4096)
         reference = F.linear(x, weight)
-        scale = linear_path.term_norms(x, weight)
         # A sequential float32 sum: the coarsest honest order there is.
         sequential = torch.zeros(m, 1024)
         for chunk in torch.split(torch.arange(4096), 1):
             sequential += x[:, chunk] * weight[:, chunk].T
-        assert linear_path.agreement(sequential, reference, None, 4096, scale) <= 1.0
-        assert linear_path.agreement(reference * (1 + 1e-3), reference, None, 4096, scale) > 5
+        assert linear_path.agreement(sequential, reference, x, weight, None) <= 1.0
+        assert linear_path.agreement(reference * (1 + 1e-3), reference, x, weight, None) > 5
         coarse = F.linear(x.bfloat16().float(), weight.bfloat16().float())
-        assert linear_path.agreement(coarse, reference, None, 4096, scale) > 10
+        assert linear_path.agreement(coarse, reference, x, weight, None) > 10
 
 
 def test_a_layer_larger_than_cold_bytes_is_timed_on_a_slice_of_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:

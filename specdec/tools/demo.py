@@ -11,8 +11,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from typing import TextIO
 from pathlib import Path
+from typing import TextIO
 
 from specdec.tools.client import build_request, format_stats, stream_generate
 from specdec.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
