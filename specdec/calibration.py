@@ -88,11 +88,13 @@ def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int,
 GEMM_PATHS = ("auto", "library")
 
 
-def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "auto") -> None:
+def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "auto",
+              reduced_rows: bool = False) -> None:
     """At worker startup: choose the GEMM path (CPU), then measure the cost curve, within budget_s of
     measuring. Swapping the chosen paths in (packing the weights) comes on top: seconds for a 1.5B
     float32 model, more for larger ones. `gemm_path` "library" (--gemm-path) keeps F.linear everywhere,
-    the kernels HF `generate` runs, and gives the whole budget to the cost curve.
+    the kernels HF `generate` runs, and gives the whole budget to the cost curve. `reduced_rows`: a
+    float32 draft's few-row products may run on bf16 copies of the weights (models.may_reduce_rows).
 
     The draft forwards 1 token per drafting step and up to 2 on catch-up; the target verifies up to
     max_k + 1. Contexts: a short and a longer prompt, the second only as far as the budget allows.
@@ -111,7 +113,8 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
         log.info("GEMM path: %s", core.gemm_path)
     else:
         # Row counts for the GEMM path: a session's own steps, and up to 16 rows of batched sessions.
-        paths = linear_path.choose_and_apply(core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s / 2)
+        paths = linear_path.choose_and_apply(core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s / 2,
+                                             allow_reduced=reduced_rows)
         core.gemm_path = paths.summary()
     # The budget bounds measuring. Swapping the chosen paths in (packing, owning the tensors) takes
     # what the model's size and the page cache make it (7.6-12.8 s measured for the 1.5B float32

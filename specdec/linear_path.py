@@ -12,8 +12,16 @@ distinct weight shape of its model, three ways to compute the same product and k
   ops torch.compile's CPU backend uses for bf16 linears). On the Zen 4 it is nearly flat from M = 1
   to 16 and 1.5-3.5x faster than either dense path for the float32 target.
 
+- `reduced` (a float32 draft only, where the CPU has no bf16 units: `--dtype auto` keeps such a draft
+  in float32): a bf16 copy of the weight, for the row counts where it wins. ATen's bf16
+  matrix-vector kernels read half the bytes, and on AVX2 kernels they took a draft's one-token linears
+  2.5-3.5x below the best float32 path; from about 4 rows they lose, and at a prompt chunk's 64 rows
+  they are 4x slower, so only a prefix of row counts (1, 2, ...) takes them. Costs a bf16 copy of those
+  weights beside the float32 ones, and changes the draft's numerics only: the draft proposes, the
+  target decides, so the output is unchanged.
+
 A shape either keeps its dense weight (and picks `linear` or `weight_left` per M) or swaps it for the
-packed one (every M): one copy of the weights, never two. Each timing is one pass over about
+packed one (every M): one float32 copy of the weights, never two. Each timing is one pass over about
 COLD_BYTES of the shape's weights, so that it never times the cache (a forward reads each weight
 once): whole layers in turn, or, for one layer larger than that (an LM head), a slice of its rows of
 about COLD_BYTES, the time scaled to the whole layer. Before any timing, each path's output is
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import functools
 import itertools
 import logging
@@ -41,7 +50,9 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-LINEAR, WEIGHT_LEFT, PACKED = "linear", "weight_left", "packed"
+LINEAR, WEIGHT_LEFT, PACKED, REDUCED = "linear", "weight_left", "packed", "reduced"
+# The dtype of the reduced path's weight copy and products.
+REDUCED_DTYPE = torch.bfloat16
 # Weight-left must win by this margin: ties go to the library's own kernel.
 MIN_GAIN = 0.9
 # The packed plan must not cost a prompt chunk more than this over the best dense path.
@@ -63,6 +74,9 @@ ROW_BLOCK = 256
 # was over 1000 of them off, a result scaled by 1 + 1e-3 over 500.
 ACCUMULATION_TOL = 8.0
 OUTPUT_ULPS = 2.0
+# The reduced path rounds x and W to REDUCED_DTYPE: each term is then off by up to about its eps, and
+# the sum by OPERAND_TOL x eps x the terms' norm at most, short of a broken kernel (off by the scale).
+OPERAND_TOL = 4.0
 # Outputs of a shape's first layer the agreement check compares (the first ones).
 AGREEMENT_OUTPUTS = 4096
 
@@ -102,17 +116,27 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return y.reshape(*x.shape[:-1], out_features)
 
 
+def _reduced_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return weight.detach().to(REDUCED_DTYPE), None if bias is None else bias.detach().to(REDUCED_DTYPE)
+
+
+def reduced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + b on REDUCED_DTYPE copies (float32 accumulation in ATen's kernels), back in x's dtype."""
+    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+
 def term_norms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Per output of x @ weight.T, the norm of its terms: sqrt(sum_i (x_i w_ji)^2) (float64)."""
     return (x.double().pow(2) @ weight.double().pow(2).T).sqrt()
 
 
 def agreement(y: torch.Tensor, reference: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-              bias: torch.Tensor | None) -> float:
+              bias: torch.Tensor | None, operands: torch.dtype | None = None) -> float:
     """How far a path's output `y` is from F.linear's `reference` for input x and this weight and bias:
     the worst output's difference over its tolerance (ACCUMULATION_TOL, OUTPUT_ULPS, each output
     scaled by its own terms, term_norms), so at most 1 where the two differ only in the order of the
-    sums; inf where the shape or dtype differs, or a NaN."""
+    sums; inf where the shape or dtype differs, or a NaN. `operands`: the dtype a reduced path rounds
+    x, W and its output to (it may then also differ by that rounding: OPERAND_TOL, OUTPUT_ULPS of it)."""
     if y.shape != reference.shape or y.dtype != reference.dtype:
         return math.inf
     ref = reference.double()
@@ -121,6 +145,9 @@ def agreement(y: torch.Tensor, reference: torch.Tensor, x: torch.Tensor, weight:
         scale = scale + bias.double().abs()
     tolerance = (ACCUMULATION_TOL * math.sqrt(weight.shape[1]) * torch.finfo(torch.float32).eps * scale
                  + OUTPUT_ULPS * torch.finfo(reference.dtype).eps * torch.maximum(ref.abs(), scale))
+    if operands is not None:
+        eps = torch.finfo(operands).eps
+        tolerance = tolerance + OPERAND_TOL * eps * scale + OUTPUT_ULPS * eps * torch.maximum(ref.abs(), scale)
     excess = ((y.double() - ref).abs() / tolerance.clamp_min(torch.finfo(torch.float64).tiny)).nan_to_num(math.inf)
     return excess.max().item() if excess.numel() else 0.0
 
@@ -128,10 +155,12 @@ def agreement(y: torch.Tensor, reference: torch.Tensor, x: torch.Tensor, weight:
 @dataclass(frozen=True)
 class ShapePlan:
     """What one weight shape runs. Packed: every M through oneDNN's packed weight. Dense: per measured
-    row count, weight-left or F.linear; any other count takes the choice of the one below it."""
+    row count, weight-left or F.linear; any other count takes the choice of the one below it. Either
+    way, row counts up to `reduced_rows` (0: none) run on a REDUCED_DTYPE copy of the weight."""
     packed: bool = False
     grid: tuple[int, ...] = ()
     weight_left: tuple[bool, ...] = ()
+    reduced_rows: int = 0
 
     def weight_left_at(self, rows: int) -> bool:
         i = bisect.bisect_right(self.grid, rows) - 1
@@ -139,20 +168,24 @@ class ShapePlan:
 
     @property
     def swaps(self) -> bool:  # anything but F.linear everywhere
-        return self.packed or any(self.weight_left)
+        return self.packed or any(self.weight_left) or self.reduced_rows > 0
 
 
 class PathLinear(torch.nn.Module):
     """nn.Linear computed the way its shape's plan says (a packed plan drops the dense weight).
 
-    For inference on a loaded model: a packed one has no dense weight to move, cast or save, so
-    `.to()` / `.float()` refuse (a plain attribute would stay behind on its old device and dtype)."""
+    For inference on a loaded model: a packed one has no dense weight to move, cast or save, and a
+    reduced copy is not a parameter, so `.to()` / `.float()` refuse (a plain attribute would stay
+    behind on its old device and dtype)."""
 
     def __init__(self, linear: torch.nn.Linear, plan: ShapePlan) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.plan = plan
         self.bias = linear.bias
+        self.reduced: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        if plan.reduced_rows > 0:  # copied before packing drops the dense weight
+            self.reduced = _reduced_copy(linear.weight, linear.bias)
         self.packed: torch.Tensor | None = None
         if plan.packed:
             self.packed = pack(linear.weight)
@@ -161,11 +194,13 @@ class PathLinear(torch.nn.Module):
             self.weight = linear.weight
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
-        if self.packed is not None:
-            raise RuntimeError("a packed PathLinear cannot be moved or cast: do that before linear_path.apply")
+        if self.packed is not None or self.reduced is not None:
+            raise RuntimeError("a packed or reduced PathLinear cannot be moved or cast: do that before linear_path.apply")
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reduced is not None and x.numel() // self.in_features <= self.plan.reduced_rows:
+            return reduced_linear(x, *self.reduced)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias, self.out_features)
         if self.plan.weight_left_at(x.numel() // self.in_features):
@@ -188,6 +223,8 @@ class PathChoice:
         for (out, inp), plan in sorted(self.plans.items()):
             rows = frozenset(m for m, left in zip(plan.grid, plan.weight_left) if left)
             what = "oneDNN packed" if plan.packed else f"weight-left at M={_ranges(rows)}" if rows else "F.linear"
+            if plan.reduced_rows:
+                what += f", bf16 copy at M={_ranges(frozenset(range(1, plan.reduced_rows + 1)))}"
             parts.append(f"{out}x{inp}: {what}{self._gain_text((out, inp)) if plan.swaps else ''}")
         return "; ".join(parts) + ("" if self.complete else " (budget ran out: the rest stays F.linear)")
 
@@ -198,7 +235,9 @@ class PathChoice:
         decode = sorted(m for m in library if m != PREFILL_ROWS)
         gains = []
         for m in sorted({decode[0], decode[-1]}) if decode else []:
-            chosen = timing.get(PACKED if plan.packed else WEIGHT_LEFT if plan.weight_left_at(m) else LINEAR, {}).get(m)
+            path = (REDUCED if m <= plan.reduced_rows else PACKED if plan.packed
+                    else WEIGHT_LEFT if plan.weight_left_at(m) else LINEAR)
+            chosen = timing.get(path, {}).get(m)
             if chosen:
                 gains.append(f"{library[m] / chosen:.1f}x at M={m}")
         return f" ({', '.join(gains)})" if gains else ""
@@ -249,7 +288,7 @@ class _ShapeTimer:
     LM head took 6.9 of its 10.9 s of measuring on a 2-core Zen 4, and its attention projections were
     left untimed, on F.linear.)"""
 
-    def __init__(self, linears: list[torch.nn.Linear], reps: int, can_pack: bool) -> None:
+    def __init__(self, linears: list[torch.nn.Linear], reps: int, can_pack: bool, can_reduce: bool = False) -> None:
         first = linears[0]
         layer_bytes = max(1, first.weight.numel() * first.weight.element_size())
         if layer_bytes > COLD_BYTES:
@@ -264,16 +303,21 @@ class _ShapeTimer:
             self.scale = 1.0 / len(self.linears)
         self.reps = reps
         self.packed = [pack(weight) for weight, _ in self.weights] if can_pack else []
-        self.ms: dict[str, dict[int, float]] = {LINEAR: {}, WEIGHT_LEFT: {}} | ({PACKED: {}} if can_pack else {})
+        self.reduced = [_reduced_copy(weight, bias) for weight, bias in self.weights] if can_reduce else []
+        self.ms: dict[str, dict[int, float]] = ({LINEAR: {}, WEIGHT_LEFT: {}} | ({PACKED: {}} if can_pack else {})
+                                               | ({REDUCED: {}} if can_reduce else {}))
 
-    def _runs(self, x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | None]],
-              packed: list[torch.Tensor]) -> dict[str, Callable[[], list[torch.Tensor]]]:
+    def _runs(self, x: torch.Tensor, layers: slice) -> dict[str, Callable[[], list[torch.Tensor]]]:
+        """Each path's run over the timed layers in `layers`."""
+        weights, packed, reduced = self.weights[layers], self.packed[layers], self.reduced[layers]
         runs: dict[str, Callable[[], list[torch.Tensor]]] = {
             LINEAR: lambda: [F.linear(x, w, b) for w, b in weights],
             WEIGHT_LEFT: lambda: [weight_left(x, w, b) for w, b in weights],
         }
         if packed:
             runs[PACKED] = lambda: [packed_linear(x, p, b, w.shape[0]) for p, (w, b) in zip(packed, weights)]
+        if reduced:
+            runs[REDUCED] = lambda: [reduced_linear(x, w, b) for w, b in reduced]
         return {path: run for path, run in runs.items() if path in self.ms}
 
     def drop_disagreeing(self, rows: tuple[int, ...]) -> dict[str, str]:
@@ -289,14 +333,15 @@ class _ShapeTimer:
             for m in rows:
                 x = torch.randn(m, first.in_features, generator=gen)
                 x = x.to(device=first.weight.device, dtype=first.weight.dtype)
-                runs = self._runs(x, self.weights[:1], self.packed[:1])
+                runs = self._runs(x, slice(0, 1))
                 reference = runs.pop(LINEAR)()[0][..., checked]
                 for path, run in runs.items():
                     if path in dropped:
                         continue
                     try:
                         error = agreement(run()[0][..., checked], reference, x, weight[checked],
-                                          None if bias is None else bias[checked])
+                                          None if bias is None else bias[checked],
+                                          REDUCED_DTYPE if path == REDUCED else None)
                     except RuntimeError as exc:
                         dropped[path] = f"fails at M={m}: {exc}"
                         continue
@@ -306,6 +351,8 @@ class _ShapeTimer:
             del self.ms[path]
         if PACKED in dropped:
             self.packed = []
+        if REDUCED in dropped:
+            self.reduced = []
         return dropped
 
     def time(self, m: int) -> None:
@@ -314,10 +361,21 @@ class _ShapeTimer:
         # Warming a GEMM shape's kernels up takes one of its layers: the last one, which leaves the
         # cache as a whole pass would (the timed pass starts cold, at the first layer). Only a shape's
         # first timing warms the whole pass: the first reads of a memory-mapped checkpoint fault pages in.
-        warm_ups = self._runs(x, self.weights[-1:], self.packed[-1:]) if self.ms[LINEAR] else None
+        warm_ups = self._runs(x, slice(-1, None)) if self.ms[LINEAR] else None
+        runs = self._runs(x, slice(None))
+        if REDUCED in runs and self.reduced_lost_below(m):
+            del runs[REDUCED]  # its cost grows with the rows: a loss at fewer rows is one here
         with torch.inference_mode():
-            for path, ms in best_ms(self._runs(x, self.weights, self.packed), self.reps, warm_ups=warm_ups).items():
+            for path, ms in best_ms(runs, self.reps, warm_ups=warm_ups).items():
                 self.ms[path][m] = ms * self.scale
+
+    def reduced_lost_below(self, m: int) -> bool:
+        """The reduced path lost to the best other path at a row count below m (or was dropped)."""
+        if REDUCED not in self.ms:
+            return True
+        return any(r < m and not self.ms[REDUCED][r] < MIN_GAIN * min(ms[r] for path, ms in self.ms.items()
+                                                                       if path != REDUCED and r in ms)
+                   for r in self.ms[REDUCED])
 
     def left_wins(self, m: int) -> bool:
         return WEIGHT_LEFT in self.ms and self.ms[WEIGHT_LEFT][m] < MIN_GAIN * self.ms[LINEAR][m]
@@ -331,7 +389,28 @@ class _ShapeTimer:
 
 def _plan(timer: _ShapeTimer, decode: list[int], prefill: int | None) -> ShapePlan:
     """Packed if it is faster on average over the decode row counts (each count weighs the same, as a
-    ratio to the best path there) and does not slow a prompt chunk past PREFILL_SLACK; else dense."""
+    ratio to the best path there) and does not slow a prompt chunk past PREFILL_SLACK; else dense.
+    With a reduced path: it takes the row counts from 1 up to where it stops beating the plan by
+    MIN_GAIN, and the packed-or-dense choice is made over the row counts it leaves (those it surely
+    takes, where it beats every float32 path, would otherwise decide a choice they never run)."""
+    taken = _reduced_rows(timer, decode, lambda m: min(timer.dense_ms(m), timer.ms.get(PACKED, {}).get(m, math.inf)))
+    plan = _float_plan(timer, [m for m in decode if m > taken] or decode, prefill)
+    rows = _reduced_rows(timer, decode, lambda m: timer.ms[PACKED][m] if plan.packed else timer.dense_ms(m))
+    return dataclasses.replace(plan, reduced_rows=rows) if rows else plan
+
+
+def _reduced_rows(timer: _ShapeTimer, decode: list[int], float_ms: Callable[[int], float]) -> int:
+    """The largest row count of the prefix of `decode` where the reduced path beats float_ms by MIN_GAIN."""
+    reduced_ms = timer.ms.get(REDUCED, {})
+    rows = 0
+    for m in decode:
+        if not (m in reduced_ms and reduced_ms[m] < MIN_GAIN * float_ms(m)):
+            break
+        rows = m
+    return rows
+
+
+def _float_plan(timer: _ShapeTimer, decode: list[int], prefill: int | None) -> ShapePlan:
     grid = tuple(sorted(timer.ms[LINEAR]))
     dense = ShapePlan(False, grid, tuple(timer.left_wins(m) for m in grid))
     if PACKED not in timer.ms:
@@ -345,12 +424,15 @@ def _plan(timer: _ShapeTimer, decode: list[int], prefill: int | None) -> ShapePl
 
 
 def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
-            clock: Callable[[], float] = time.monotonic, allow_packing: bool = True) -> PathChoice:
+            clock: Callable[[], float] = time.monotonic, allow_packing: bool = True,
+            allow_reduced: bool = False) -> PathChoice:
     """Time the paths for each distinct Linear shape at M = 1..max_m (and a prompt chunk's rows).
+    `allow_reduced`: float32 weights may also take the reduced path (a float32 draft, never a target).
 
     The end points and the middle (M = 1, the middle of the grid, max_m, the prompt chunk) come
     first: where the packed path wins at all of them, it is taken without timing the rest (a
-    shortcut: a dense path winning only between them would go unseen)."""
+    shortcut: a dense path winning only between them would go unseen), bar the row counts the
+    reduced path may still win (those below the first it lost at)."""
     started = clock()
     choice = PathChoice()
     by_shape: dict[tuple[int, int], list[torch.nn.Linear]] = {}
@@ -371,14 +453,17 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
         can_pack = (allow_packing and packing_supported(linears[0].weight.dtype)
                     and linears[0].weight.device.type == "cpu"
                     and not any(lin.weight.data_ptr() in shared for lin in linears))
-        timer = _ShapeTimer(linears, reps, can_pack)
+        # A tied weight may take a reduced copy: that is a second dtype, not a second float32 copy.
+        can_reduce = (allow_reduced and linears[0].weight.dtype == torch.float32
+                      and linears[0].weight.device.type == "cpu")
+        timer = _ShapeTimer(linears, reps, can_pack, can_reduce)
         for path, why in timer.drop_disagreeing(tuple(sorted({decode[0], decode[-1]}))).items():
             log.warning("GEMM path %s %s for the %dx%d weights (not F.linear's product): never chosen for them",
                         path, why, *shape)
         ends = sorted({decode[0], decode[len(decode) // 2], decode[-1]} | ({prefill} if prefill else set()))
         order = ends + [m for m in decode if m not in ends]
         for i, m in enumerate(order):
-            if i >= len(ends) and all(timer.packed_wins(e) for e in ends):
+            if i >= len(ends) and all(timer.packed_wins(e) for e in ends) and timer.reduced_lost_below(m):
                 break  # packed wins where it was timed: take it without the rest
             if clock() - started > budget_s:
                 choice.complete = False
@@ -409,12 +494,12 @@ def apply(model: torch.nn.Module, choice: PathChoice) -> int:
     return swapped
 
 
-def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float) -> PathChoice:
+def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float, allow_reduced: bool = False) -> PathChoice:
     """Measure on this machine and apply; CPU only (GPU GEMMs have no such small-M cliff)."""
     device = next(model.parameters()).device
     if device.type != "cpu" or budget_s <= 0:
         return PathChoice()
-    choice = measure(model, max_m, budget_s)
+    choice = measure(model, max_m, budget_s, allow_reduced=allow_reduced)
     started = time.monotonic()
     swapped = apply(model, choice)
     log.info("GEMM path (%.1fs measuring, %.1fs swapping in, %d linears swapped): %s", choice.seconds,

@@ -105,6 +105,15 @@ def resolve_dtype(name: str, role: str, device: torch.device | str = "cpu") -> t
     return DTYPES[name]
 
 
+def may_reduce_rows(name: str, role: str, device: torch.device | str = "cpu") -> bool:
+    """Whether the GEMM path may run a few-row product on a bf16 copy of the weights: `--dtype auto` on
+    a CPU draft that `auto` keeps in float32 (no native bf16). There ATen's bf16 matrix-vector kernels
+    still read half the bytes of a one-token decode step, while its bf16 GEMMs are slow for prompts and
+    batches, which stay float32 (linear_path, "reduced"). Never the target (its numerics are the output)
+    and never an explicit dtype (float32 asked for is float32)."""
+    return name == "auto" and role == "draft" and torch.device(device).type == "cpu" and not bf16_is_fast(device)
+
+
 def resolve_device(name: str = "auto") -> torch.device:
     """`auto`: the first CUDA device if there is one, else the CPU. A CUDA device that is not there
     is a configuration error, reported before any weights are loaded."""

@@ -100,7 +100,9 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto | exact (= float32) | float32 | bfloat16. auto: bf16 on CUDA for "
                         "both roles; on CPU the target stays float32 and the draft uses bf16 where the "
-                        "CPU has native bf16")
+                        "CPU has native bf16; elsewhere the float32 draft's GEMM path may also run its "
+                        "one- and few-token steps on a bf16 copy of the weights where that times faster "
+                        "(float32 rules that out)")
     parser.add_argument("--calibration-s", type=float, default=20.0,
                         help="startup budget to choose the CPU GEMM path and measure the forward cost curve "
                              "(0 skips both; the k policy then starts from generic defaults); packing the "
@@ -212,7 +214,7 @@ def store_limits(args: argparse.Namespace) -> StoreLimits:
 async def serve_worker(args: argparse.Namespace, role: str,
                        make_servicer: Callable[[WorkerCore, BatchLimits], WorkerServicerBase],
                        register: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
-    from specdec.models import load_model, resolve_device, resolve_dtype, set_torch_threads
+    from specdec.models import load_model, may_reduce_rows, resolve_device, resolve_dtype, set_torch_threads
     check_worker_flags(args)
     set_torch_threads(args.threads)
     device = resolve_device(args.device)
@@ -220,7 +222,8 @@ async def serve_worker(args: argparse.Namespace, role: str,
     log.info("loading %s model %s (%s on %s)", role, args.model, dtype, device)
     loaded = await asyncio.to_thread(load_model, args.model, dtype, str(device))
     core = WorkerCore(loaded, role, store_limits(args))
-    await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s, args.gemm_path)
+    await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s, args.gemm_path,
+                            may_reduce_rows(args.dtype, role, device))
     servicer = make_servicer(core, batch_limits(args, core.cost_curve, role))
     credentials = None
     if args.tls_cert and args.tls_key:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from specdec.tools.bench import FIXED_KS, systems
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,3 +65,15 @@ def test_bench_smoke_report(tmp_path: Path) -> None:
     for name in ("tokens_per_s_vs_k_greedy.png", "tokens_per_s_vs_k_sampled.png", "acceptance_by_position.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert name in md
+
+
+def test_the_machine_description_says_when_kernels_are_restricted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bench under ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU (an AVX2 machine emulated) must not read
+    as a figure of that CPU's own kernels."""
+    from specdec.tools.bench import KERNEL_LIMITS, describe_machine
+    for name in KERNEL_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    assert "restricted" not in describe_machine()["flags"]
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    flags = describe_machine()["flags"]
+    assert "kernels restricted: ONEDNN_MAX_CPU_ISA=AVX2" in flags and "torch runs" in flags

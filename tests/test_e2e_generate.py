@@ -52,6 +52,28 @@ async def test_bf16_draft_keeps_greedy_output_identical() -> None:
         await stack.close()
 
 
+async def test_a_draft_on_bf16_copies_for_few_rows_keeps_greedy_output_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float32 draft's GEMM path may run its few-row steps on bf16 copies of the weights (an AVX2
+    CPU, linear_path "reduced"): its numerics change, the target's greedy output does not."""
+    from specdec import linear_path
+    calls = []
+    real = linear_path.reduced_linear
+    monkeypatch.setattr(linear_path, "reduced_linear", lambda *args: calls.append(1) or real(*args))
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02")
+    try:
+        draft = stack.draft.core.model
+        shapes = {(m.out_features, m.in_features) for m in draft.modules() if isinstance(m, torch.nn.Linear)}
+        plans = {s: linear_path.ShapePlan(False, (1,), (False,), reduced_rows=2) for s in shapes}
+        assert linear_path.apply(draft, linear_path.PathChoice(plans)) > 0
+        for prompt in PROMPTS:
+            reply = await stack.generate(prompt_ids=prompt, max_new_tokens=MAX_NEW, speculation={"fixed_k": 4})
+            assert list(reply.token_ids) == reference_greedy(prompt)
+            assert reply.stats.draft_tokens > 0
+        assert calls  # the draft's steps really ran on the bf16 copies
+    finally:
+        await stack.close()
+
+
 async def test_acceptance_reflects_draft_quality(stack, disagreeing_stack) -> None:
     same = await stack.generate(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW, speculation={"fixed_k": 4})
     worse = await disagreeing_stack.generate(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW, speculation={"fixed_k": 4})

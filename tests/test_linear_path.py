@@ -212,3 +212,146 @@ def test_only_a_shapes_first_timing_warms_up_on_the_whole_pass(monkeypatch: pyte
     ms = real_best_ms({"linear": lambda: calls.append("run")}, reps=2,
                              warm_ups={"linear": lambda: calls.append("warm")})
     assert calls == ["warm", "run", "run"] and set(ms) == {"linear"}
+
+
+# ----------------------------------------------------------------------------- the reduced (bf16 copy) path
+
+def test_the_reduced_path_runs_a_bf16_copy_up_to_its_rows_and_float32_above() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    plan = linear_path.ShapePlan(False, (1, 3), (False, True), reduced_rows=2)
+    path = linear_path.PathLinear(linear, plan)
+    bf16_weight, bf16_bias = linear.weight.bfloat16(), linear.bias.bfloat16()
+    for rows in (1, 2):
+        x = torch.randn(rows, 64)
+        y = path(x)
+        assert y.dtype == torch.float32
+        assert torch.equal(y, F.linear(x.bfloat16(), bf16_weight, bf16_bias).float())
+        assert not torch.equal(y, linear(x))  # really the bf16 copy, not float32
+    x = torch.randn(1, 3, 64)  # 3 rows: above the reduced rows, weight-left in float32
+    assert torch.equal(path(x), linear_path.weight_left(x, linear.weight, linear.bias))
+    with pytest.raises(RuntimeError, match="reduced"):  # the bf16 copy is no parameter: it would stay behind
+        path.double()
+
+
+def test_a_packed_shape_keeps_its_reduced_copy() -> None:
+    if not linear_path.packing_supported(torch.float32):
+        pytest.skip("oneDNN packing refuses float32 here")
+    linear = torch.nn.Linear(64, 96)
+    path = linear_path.PathLinear(linear, linear_path.ShapePlan(packed=True, reduced_rows=1))
+    assert path.weight is None and path.reduced is not None
+    x1, x4 = torch.randn(1, 64), torch.randn(4, 64)
+    assert torch.equal(path(x1), linear_path.reduced_linear(x1, *path.reduced))
+    assert torch.allclose(path(x4), linear(x4), atol=1e-5)
+
+
+def test_the_reduced_path_agrees_only_within_its_own_rounding() -> None:
+    """An honest bf16 product fails the float32 tolerance (so the operands' rounding term is needed) and
+    passes with it; a product 5 % off, or over the wrong weight layout, fails even that."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(512, 256) * 0.05, torch.randn(512) * 0.1
+    x = torch.randn(3, 256)
+    reference = F.linear(x, weight, bias)
+    honest = linear_path.reduced_linear(x, weight.bfloat16(), bias.bfloat16())
+    assert linear_path.agreement(honest, reference, x, weight, bias) > 1.0
+    assert linear_path.agreement(honest, reference, x, weight, bias, torch.bfloat16) <= 1.0
+    assert linear_path.agreement(honest * 1.05, reference, x, weight, bias, torch.bfloat16) > 1.0
+    shuffled = weight.reshape(256, 512).T.contiguous()
+    wrong = linear_path.reduced_linear(x, shuffled.bfloat16(), bias.bfloat16())
+    assert linear_path.agreement(wrong, reference, x, weight, bias, torch.bfloat16) > 1.0
+
+
+def _timer_with(ms: dict[str, dict[int, float]]) -> "linear_path._ShapeTimer":
+    timer = linear_path._ShapeTimer([torch.nn.Linear(8, 8)], reps=1, can_pack=False)
+    timer.ms = ms
+    return timer
+
+
+def test_the_plan_takes_the_reduced_path_for_the_prefix_of_rows_where_it_wins() -> None:
+    rows = [1, 2, 3, 4, 8]
+    linear_ms = {m: 10.0 for m in rows}
+    # Wins at 1 and 2, only ties at 3 (MIN_GAIN), would win again at 8: the prefix ends at 2.
+    reduced = {1: 3.0, 2: 6.0, 3: 9.5, 4: 20.0, 8: 1.0}
+    plan = linear_path._plan(_timer_with({linear_path.LINEAR: linear_ms, linear_path.WEIGHT_LEFT: dict(linear_ms),
+                                          linear_path.REDUCED: reduced}), rows, None)
+    assert plan.reduced_rows == 2 and not plan.packed
+    plan = linear_path._plan(_timer_with({linear_path.LINEAR: linear_ms, linear_path.WEIGHT_LEFT: dict(linear_ms),
+                                          linear_path.REDUCED: {1: 9.5, 2: 1.0}}), rows, None)
+    assert plan.reduced_rows == 0 and not plan.swaps
+
+
+def test_rows_the_reduced_path_takes_do_not_decide_packed_or_dense() -> None:
+    """Weight-left wins at 1-2 rows and packed from 3: with the reduced path taking 1-2, packed is the
+    better plan for the rows left, which the whole grid's average would not choose."""
+    rows = [1, 2, 3, 4]
+    ms = {linear_path.LINEAR: {1: 10.0, 2: 10.0, 3: 10.0, 4: 10.0, 64: 10.0},
+          linear_path.WEIGHT_LEFT: {1: 1.0, 2: 1.0, 3: 10.0, 4: 10.0, 64: 10.0},
+          linear_path.PACKED: {1: 8.0, 2: 8.0, 3: 8.0, 4: 8.0, 64: 10.0}}
+    without = linear_path._plan(_timer_with({k: dict(v) for k, v in ms.items()}), rows, 64)
+    assert not without.packed  # the control: over all rows, dense wins
+    with_reduced = linear_path._plan(_timer_with(ms | {linear_path.REDUCED: {1: 0.5, 2: 0.5, 3: 20.0}}), rows, 64)
+    assert with_reduced.packed and with_reduced.reduced_rows == 2
+
+
+def test_measure_offers_the_reduced_path_to_float32_weights_only_when_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    timed: list[tuple[int, frozenset[str]]] = []
+    real_time = linear_path._ShapeTimer.time
+
+    def fake_best_ms(runs: dict[str, Callable[[], list[torch.Tensor]]], reps: int, **kwargs: object) -> dict[str, float]:
+        rows = {run()[0].shape[0] for run in runs.values()}.pop()
+        # The reduced path: fast at one row, slow from two (as ATen's bf16 GEMMs on an AVX2 CPU).
+        return {path: (0.1 if rows == 1 else 5.0) if path == linear_path.REDUCED else 1.0 for path in runs}
+
+    def recording_time(self: linear_path._ShapeTimer, m: int) -> None:
+        real_time(self, m)
+        timed.append((m, frozenset(p for p, ms in self.ms.items() if m in ms)))
+
+    monkeypatch.setattr(linear_path, "best_ms", fake_best_ms)
+    monkeypatch.setattr(linear_path._ShapeTimer, "time", recording_time)
+    model = load_model("tiny:seed=0").model
+    off = linear_path.measure(model, max_m=4, budget_s=60, reps=1, allow_packing=False)
+    assert all(linear_path.REDUCED not in t for t in off.timings.values()) and not any(
+        p.reduced_rows for p in off.plans.values())
+    timed.clear()
+    on = linear_path.measure(model, max_m=4, budget_s=60, reps=1, allow_packing=False, allow_reduced=True)
+    assert on.plans and all(p.reduced_rows == 1 for p in on.plans.values()), on.plans
+    assert "bf16 copy at M=1" in on.summary()
+    # Timed in the order 1, 3, 4, 64 (the ends), then 2: it lost at 3, so it is not timed at 4 or 64
+    # (its cost grows with the rows), but still at 2, below that loss.
+    assert [m for m, _ in timed[:5]] == [1, 3, 4, 64, 2]
+    assert {m for m, paths in timed if linear_path.REDUCED in paths} == {1, 2, 3}
+    bf16 = load_model("tiny:seed=0", torch.bfloat16).model
+    assert all(linear_path.REDUCED not in t for t in linear_path.measure(
+        bf16, max_m=2, budget_s=60, reps=1, allow_packing=False, allow_reduced=True).timings.values())
+
+
+def test_a_reduced_path_off_by_5_percent_is_never_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    honest = linear_path.reduced_linear
+    monkeypatch.setattr(linear_path, "reduced_linear", lambda *args: honest(*args) * 1.05)
+    monkeypatch.setattr(linear_path, "best_ms", _favouring(linear_path.REDUCED))
+    choice = linear_path.measure(load_model("tiny:seed=0").model, max_m=2, budget_s=60, reps=1,
+                                 allow_packing=False, allow_reduced=True)
+    assert choice.plans and not any(p.reduced_rows for p in choice.plans.values())
+    assert all(linear_path.REDUCED not in t for t in choice.timings.values())
+
+
+def test_only_an_auto_float32_cpu_draft_may_reduce_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specdec import models
+    monkeypatch.setattr(models, "bf16_is_fast", lambda device="cpu": False)
+    assert models.may_reduce_rows("auto", "draft", "cpu")
+    assert not models.may_reduce_rows("auto", "target", "cpu")  # the target's numerics are the output
+    assert not models.may_reduce_rows("float32", "draft", "cpu")  # float32 asked for is float32
+    assert not models.may_reduce_rows("auto", "draft", "cuda")
+    monkeypatch.setattr(models, "bf16_is_fast", lambda device="cpu": True)  # auto gives a bf16 draft there
+    assert not models.may_reduce_rows("auto", "draft", "cpu")
+
+
+def test_calibrate_passes_the_reduced_rows_permission_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_path, "best_ms", _favouring(linear_path.REDUCED))
+    core = WorkerCore(load_model("tiny:seed=0"), "draft")
+    calibrate(core, max_k=3, budget_s=5, reduced_rows=True)
+    reduced = [m for m in _linears(core.model) if isinstance(m, linear_path.PathLinear) and m.plan.reduced_rows]
+    assert reduced and "bf16 copy" in core.gemm_path
+    core = WorkerCore(load_model("tiny:seed=0"), "draft")
+    calibrate(core, max_k=3, budget_s=5)
+    assert "bf16" not in core.gemm_path

@@ -338,7 +338,7 @@ def test_swapping_the_paths_in_is_not_charged_to_the_cost_curve(monkeypatch: pyt
         offset[0] += 100.0
         return 0
 
-    monkeypatch.setattr(linear_path, "measure", lambda model, max_m, budget_s: linear_path.PathChoice(seconds=0.5))
+    monkeypatch.setattr(linear_path, "measure", lambda model, max_m, budget_s, **kw: linear_path.PathChoice(seconds=0.5))
     monkeypatch.setattr(linear_path, "apply", slow_apply)
     core = WorkerCore(load_model("tiny:seed=0"), "target")
     with caplog.at_level(logging.INFO, logger="specdec.linear_path"):

@@ -448,6 +448,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {out_dir / 'report.md'}, {out_dir / 'report.json'} and {len(paths)} plots")
 
 
+# Environment variables that cap the instruction set of torch's own kernels, oneDNN's and MKL's.
+KERNEL_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def describe_machine() -> dict[str, Any]:
     """What a figure depends on: CPU model and the flags that change small-M GEMM, or the GPU."""
     import os
@@ -477,8 +481,15 @@ def describe_machine() -> dict[str, Any]:
             pass
         gpu = (f"GPU {props.name} ({props.total_memory / 2**30:.0f} GiB), driver {driver}, "
                f"CUDA {torch.version.cuda}")
-    return {"cpu": cpu, "cpus": os.cpu_count(), "flags": " ".join(f for f in relevant if f in flags) or "none of "
-            + "/".join(relevant), "gpu": gpu, "platform": platform.platform(), "torch": torch.__version__}
+    flag_text = " ".join(f for f in relevant if f in flags) or "none of " + "/".join(relevant)
+    # Kernels restricted below what the flags offer (an AVX2 CPU emulated on an AVX-512 one): a figure
+    # then belongs to those kernels on this machine's memory, and the report must say so.
+    restricted = {name: os.environ[name] for name in KERNEL_LIMITS if os.environ.get(name)}
+    if restricted:
+        flag_text += (" (kernels restricted: " + " ".join(f"{k}={v}" for k, v in restricted.items())
+                      + f"; torch runs {torch.backends.cpu.get_cpu_capability()} kernels)")
+    return {"cpu": cpu, "cpus": os.cpu_count(), "flags": flag_text, "gpu": gpu, "platform": platform.platform(),
+            "torch": torch.__version__}
 
 
 if __name__ == "__main__":
