@@ -114,7 +114,7 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
     else:
         # Row counts for the GEMM path: a session's own steps, and up to 16 rows of batched sessions.
         paths = linear_path.choose_and_apply(core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s / 2,
-                                             allow_reduced=reduced_rows)
+                                             allow_reduced=reduced_rows and core.role == "draft")
         core.gemm_path = paths.summary()
     # The budget bounds measuring. Swapping the chosen paths in (packing, owning the tensors) takes
     # what the model's size and the page cache make it (7.6-12.8 s measured for the 1.5B float32
@@ -128,5 +128,9 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
     # Both also measure what batched forwards cost (rows of several sessions): the target's curve lets
     # the k policy price load, and each worker sizes its prompt chunks from its own (scheduler.prefill_chunk_for).
     load = (16, 32, 64)
+    # Where some shapes run a reduced copy up to r rows, the forward's cost steps up past r: measure r
+    # and r + 1 (the curve is interpolated between its points, and 2 to 16 would smooth the step away).
+    reduced = max((plan.reduced_rows for plan in paths.plans.values()), default=0)
+    load += tuple(sorted({reduced, reduced + 1} - set(range(max_tokens + 1)))) if reduced else ()
     core.cost_curve = measure_cost_curve(core.model, core.vocab_size, max_tokens, contexts, max(left, 1e-9),
                                          load_tokens=load)

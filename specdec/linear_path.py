@@ -2,7 +2,7 @@
 
 A decode forward multiplies M = 1..k+1 token rows by each weight matrix. How that costs depends on
 the CPU and the library path, and nothing here is tuned to one machine: each worker times, for every
-distinct weight shape of its model, three ways to compute the same product and keeps the fastest.
+distinct weight shape of its model, the ways below to compute the same product and keeps the fastest.
 
 - `linear`: `F.linear` (MKL for float32, oneDNN for bf16). On the AMD EPYCs measured so far its float32
   time grows almost linearly with M from M = 2.
@@ -26,8 +26,9 @@ COLD_BYTES of the shape's weights, so that it never times the cache (a forward r
 once): whole layers in turn, or, for one layer larger than that (an LM head), a slice of its rows of
 about COLD_BYTES, the time scaled to the whole layer. Before any timing, each path's output is
 compared with F.linear's on the shape's first layer: a path that differs by more than the order of
-a float32 sum and the output's rounding explain is never chosen (a WARNING says so). So the choice
-changes only the reduction order; greedy identity is checked by the tests and `specdec flips`.
+a float32 sum and the output's rounding explain (for `reduced`: and its bf16 rounding) is never
+chosen (a WARNING says so). So the float32 paths change only the reduction order (greedy identity is
+checked by the tests and `specdec flips`); the reduced one changes a draft's numerics, never a target's.
 
 Over 300 lines: the paths, how they are timed and the per-shape plan are one measurement, and the
 plan's rules (one copy of a weight, the prompt chunk's guard) read the timings directly.
@@ -74,9 +75,12 @@ ROW_BLOCK = 256
 # was over 1000 of them off, a result scaled by 1 + 1e-3 over 500.
 ACCUMULATION_TOL = 8.0
 OUTPUT_ULPS = 2.0
-# The reduced path rounds x and W to REDUCED_DTYPE: each term is then off by up to about its eps, and
-# the sum by OPERAND_TOL x eps x the terms' norm at most, short of a broken kernel (off by the scale).
+# The reduced path rounds x and W to REDUCED_DTYPE: each term is then off by up to about its eps. The
+# sum's error is not bounded by the terms' norm (its worst case is sqrt(in_features) times that), but
+# with independent roundings it stays near 0.4 x eps x the norm (about 2 at worst over 65k outputs):
+# OPERAND_TOL x eps x the norm is a statistical margin, still far below a broken kernel's error (the scale).
 OPERAND_TOL = 4.0
+REDUCED_NAME = "bf16"  # REDUCED_DTYPE as the summary names it
 # Outputs of a shape's first layer the agreement check compares (the first ones).
 AGREEMENT_OUTPUTS = 4096
 
@@ -224,7 +228,7 @@ class PathChoice:
             rows = frozenset(m for m, left in zip(plan.grid, plan.weight_left) if left)
             what = "oneDNN packed" if plan.packed else f"weight-left at M={_ranges(rows)}" if rows else "F.linear"
             if plan.reduced_rows:
-                what += f", bf16 copy at M={_ranges(frozenset(range(1, plan.reduced_rows + 1)))}"
+                what += f", {REDUCED_NAME} copy at M={_ranges(frozenset(range(1, plan.reduced_rows + 1)))}"
             parts.append(f"{out}x{inp}: {what}{self._gain_text((out, inp)) if plan.swaps else ''}")
         return "; ".join(parts) + ("" if self.complete else " (budget ran out: the rest stays F.linear)")
 
@@ -370,12 +374,15 @@ class _ShapeTimer:
                 self.ms[path][m] = ms * self.scale
 
     def reduced_lost_below(self, m: int) -> bool:
-        """The reduced path lost to the best other path at a row count below m (or was dropped)."""
+        """The reduced path lost at a row count below m (or was dropped): it did not beat the better of
+        the dense and packed choice there by MIN_GAIN (the rule of `_plan`'s rows it surely takes)."""
         if REDUCED not in self.ms:
             return True
-        return any(r < m and not self.ms[REDUCED][r] < MIN_GAIN * min(ms[r] for path, ms in self.ms.items()
-                                                                       if path != REDUCED and r in ms)
-                   for r in self.ms[REDUCED])
+        return any(r < m and not self.ms[REDUCED][r] < MIN_GAIN * self.float_ms(r) for r in self.ms[REDUCED])
+
+    def float_ms(self, m: int) -> float:
+        """The better float32 choice at m: the dense path's (weight-left only by MIN_GAIN) or packed."""
+        return min(self.dense_ms(m), self.ms.get(PACKED, {}).get(m, math.inf))
 
     def left_wins(self, m: int) -> bool:
         return WEIGHT_LEFT in self.ms and self.ms[WEIGHT_LEFT][m] < MIN_GAIN * self.ms[LINEAR][m]
@@ -393,7 +400,7 @@ def _plan(timer: _ShapeTimer, decode: list[int], prefill: int | None) -> ShapePl
     With a reduced path: it takes the row counts from 1 up to where it stops beating the plan by
     MIN_GAIN, and the packed-or-dense choice is made over the row counts it leaves (those it surely
     takes, where it beats every float32 path, would otherwise decide a choice they never run)."""
-    taken = _reduced_rows(timer, decode, lambda m: min(timer.dense_ms(m), timer.ms.get(PACKED, {}).get(m, math.inf)))
+    taken = _reduced_rows(timer, decode, timer.float_ms)
     plan = _float_plan(timer, [m for m in decode if m > taken] or decode, prefill)
     rows = _reduced_rows(timer, decode, lambda m: timer.ms[PACKED][m] if plan.packed else timer.dense_ms(m))
     return dataclasses.replace(plan, reduced_rows=rows) if rows else plan
@@ -457,7 +464,9 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
         can_reduce = (allow_reduced and linears[0].weight.dtype == torch.float32
                       and linears[0].weight.device.type == "cpu")
         timer = _ShapeTimer(linears, reps, can_pack, can_reduce)
-        for path, why in timer.drop_disagreeing(tuple(sorted({decode[0], decode[-1]}))).items():
+        # Compared at one row, two (a reduced path's GEMM rather than its matrix-vector kernel) and the most.
+        checked = tuple(sorted({decode[0], decode[min(1, len(decode) - 1)], decode[-1]}))
+        for path, why in timer.drop_disagreeing(checked).items():
             log.warning("GEMM path %s %s for the %dx%d weights (not F.linear's product): never chosen for them",
                         path, why, *shape)
         ends = sorted({decode[0], decode[len(decode) // 2], decode[-1]} | ({prefill} if prefill else set()))
@@ -502,6 +511,10 @@ def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float, allow_
     choice = measure(model, max_m, budget_s, allow_reduced=allow_reduced)
     started = time.monotonic()
     swapped = apply(model, choice)
-    log.info("GEMM path (%.1fs measuring, %.1fs swapping in, %d linears swapped): %s", choice.seconds,
-             time.monotonic() - started, swapped, choice.summary())
+    copies = sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, PathLinear) and m.reduced
+                 for t in m.reduced if t is not None)
+    log.info("GEMM path (%.1fs measuring, %.1fs swapping in, %d linears swapped%s): %s", choice.seconds,
+             time.monotonic() - started, swapped,
+             f", {REDUCED_NAME} copies {copies / 2**20:.0f} MiB beside the float32 weights" if copies else "",
+             choice.summary())
     return choice

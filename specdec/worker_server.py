@@ -108,7 +108,8 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
                              "(0 skips both; the k policy then starts from generic defaults); packing the "
                              "chosen weights comes on top (seconds for a 1.5B float32 model)")
     parser.add_argument("--gemm-path", choices=GEMM_PATHS, default="auto",
-                        help="auto: each weight shape's GEMM path (F.linear, weight-left, oneDNN-packed weights) "
+                        help="auto: each weight shape's GEMM path (F.linear, weight-left, oneDNN-packed weights; "
+                             "for a float32 draft under --dtype auto also a bf16 copy for its fewest-row steps) "
                              "chosen by timing at startup, within half of --calibration-s; library: F.linear "
                              "everywhere, the kernels of HF generate (nearer its numerics), the cost curve still "
                              "measured")

@@ -25,6 +25,10 @@ def test_bench_smoke_report(tmp_path: Path) -> None:
     # Device- and dtype-true: the anchors run where and as the workers do, and the header says so.
     assert report["device"] == "cpu" and report["target_dtype"] == "torch.float32"
     assert "HF anchors on the same device in the same dtypes" in md and "Machine:" in md
+    # Which GEMM path each worker took, from its GetInfo while it ran (never "unknown": both answered).
+    assert set(report["gemm_paths"]) == {"target", "draft"}
+    assert not any(path.startswith("unknown") for path in report["gemm_paths"].values()), report["gemm_paths"]
+    assert "GEMM path the workers took (GetInfo): target: " in md
     n_prompts = len(report["prompts"])
     runs = report["runs"]
     for summary in report["summaries"]:

@@ -355,3 +355,77 @@ def test_calibrate_passes_the_reduced_rows_permission_on(monkeypatch: pytest.Mon
     core = WorkerCore(load_model("tiny:seed=0"), "draft")
     calibrate(core, max_k=3, budget_s=5)
     assert "bf16" not in core.gemm_path
+
+
+def test_the_packed_shortcut_still_times_the_rows_the_reduced_path_may_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed winning at every end point skips the other row counts, but not those below the reduced
+    path's first loss: there it may still win, and untimed it could not be taken."""
+    if not linear_path.packing_supported(torch.float32):
+        pytest.skip("oneDNN packing refuses float32 here")
+    timed: list[int] = []
+    real_time = linear_path._ShapeTimer.time
+
+    def fake_best_ms(runs: dict[str, Callable[[], list[torch.Tensor]]], reps: int, **kwargs: object) -> dict[str, float]:
+        rows = {run()[0].shape[0] for run in runs.values()}.pop()
+        fast = {linear_path.PACKED: 0.5, linear_path.REDUCED: 0.1 if rows <= 2 else 5.0}
+        return {path: fast.get(path, 1.0) for path in runs}
+
+    def recording_time(self: linear_path._ShapeTimer, m: int) -> None:
+        real_time(self, m)
+        timed.append(m)
+
+    monkeypatch.setattr(linear_path, "best_ms", fake_best_ms)
+    monkeypatch.setattr(linear_path._ShapeTimer, "time", recording_time)
+    model = load_model("tiny:seed=0").model
+    choice = linear_path.measure(model, max_m=8, budget_s=60, reps=1, allow_reduced=True)
+    shapes = len(choice.plans)
+    assert shapes and all(p.packed and p.reduced_rows == 2 for p in choice.plans.values()), choice.plans
+    # Per shape: the ends 1, 4, 8, 64, then 2 and 3 (below the loss at 4), and none of 6.
+    assert timed == [1, 4, 8, 64, 2, 3] * shapes
+    timed.clear()
+    choice = linear_path.measure(model, max_m=8, budget_s=60, reps=1)
+    assert timed == [1, 4, 8, 64] * shapes  # the control: without the reduced path, the ends alone
+
+
+def test_calibrate_gives_the_reduced_path_to_a_draft_only_and_measures_its_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The target never runs a reduced copy, whatever the caller says. A draft that does has its
+    cost curve measured at the copy's last row count and the next (its forward's cost steps there)."""
+    def fake_best_ms(runs: dict[str, Callable[[], list[torch.Tensor]]], reps: int, **kwargs: object) -> dict[str, float]:
+        rows = {run()[0].shape[0] for run in runs.values()}.pop()
+        return {path: (0.1 if rows <= 4 else 5.0) if path == linear_path.REDUCED else 1.0 for path in runs}
+
+    monkeypatch.setattr(linear_path, "best_ms", fake_best_ms)
+    target = WorkerCore(load_model("tiny:seed=0"), "target")
+    calibrate(target, max_k=3, budget_s=30, reduced_rows=True)
+    assert "bf16" not in target.gemm_path and not any(
+        isinstance(m, linear_path.PathLinear) and m.plan.reduced_rows for m in target.model.modules())
+    draft = WorkerCore(load_model("tiny:seed=0"), "draft")
+    calibrate(draft, max_k=3, budget_s=30, reduced_rows=True)
+    assert "bf16 copy at M=1-4" in draft.gemm_path
+    assert {1, 2, 4, 5} <= {t for t, _, _ in draft.cost_curve.points}
+
+
+def test_a_draft_worker_started_with_dtype_auto_passes_the_permission_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve_worker asks models.may_reduce_rows with the worker's own --dtype, role and device."""
+    import argparse
+    import asyncio
+
+    from specdec import models, worker_server
+
+    seen: list[bool] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str, reduced_rows: bool) -> None:
+        seen.append(reduced_rows)
+        raise Stop
+
+    monkeypatch.setattr(worker_server, "calibrate", fake_calibrate)
+    monkeypatch.setattr(models, "bf16_is_fast", lambda device="cpu": False)
+    for role, flags, want in (("draft", [], True), ("draft", ["--dtype", "float32"], False), ("target", [], False)):
+        parser = argparse.ArgumentParser()
+        worker_server.add_worker_args(parser, "tiny:seed=0")
+        with pytest.raises(Stop):
+            asyncio.run(worker_server.serve_worker(parser.parse_args(flags), role, None, None, "x"))  # type: ignore[arg-type]
+        assert seen.pop() is want, (role, flags)

@@ -422,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     with local_services(args.target, args.draft, 0, orch_args, worker_args=worker_args,
                         logs_dir=out_dir / "logs") as address, tqdm(total=total, unit="run") as progress:
         runs = asyncio.run(_run_all(address, hf, chosen, modes, args.max_new_tokens, progress, plan))
+        gemm_paths = worker_gemm_paths(out_dir / "logs")
     summaries = [summarize(runs, mode, plan) for mode in modes]
     report = {
         "command": "specdec bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
@@ -429,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
         "duration_s": round(time.time() - started, 1),
         "machine": describe_machine(),
         "device": str(device), "target": args.target, "target_dtype": str(target_dtype), "draft": args.draft,
-        "draft_dtype": str(draft_dtype), "config": config,
+        "draft_dtype": str(draft_dtype), "config": config, "gemm_paths": gemm_paths,
         "prompts": [p["id"] for p in chosen], "max_new_tokens": args.max_new_tokens,
         "summaries": summaries, "runs": [asdict(r) for r in runs],
     }
@@ -439,13 +440,33 @@ def main(argv: list[str] | None = None) -> None:
           f"on `{device}`: target `{args.target}` ({target_dtype}), draft `{args.draft}` ({draft_dtype}); "
           f"HF anchors on the same device in the same dtypes; prompts {', '.join(report['prompts'])}, "
           f"{args.max_new_tokens} new tokens.\n\nMachine: {m['cpu']} ({m['cpus']} cpus; flags {m['flags']}); "
-          f"{m['gpu']}; torch {m['torch']}.\n"]
+          f"{m['gpu']}; torch {m['torch']}.\n\nGEMM path the workers took (GetInfo): "
+          + "; ".join(f"{role}: {path}" for role, path in gemm_paths.items()) + "\n"]
     md += [markdown(s) for s in summaries]
     paths = plots(summaries, runs, out_dir)
     md.append("\n" + "\n".join(f"![{p.stem}]({p.name})" for p in paths) + "\n")
     (out_dir / "report.md").write_text("\n".join(md))
     print("\n".join(md))
     print(f"wrote {out_dir / 'report.md'}, {out_dir / 'report.json'} and {len(paths)} plots")
+
+
+def worker_gemm_paths(logs_dir: Path) -> dict[str, str]:
+    """Each running worker's GEMM path as its GetInfo reports it (port files in logs_dir): which path
+    this CPU took, for the report."""
+    import grpc
+
+    from specdec.v1 import common_pb2, worker_pb2_grpc
+    stubs = {"target": worker_pb2_grpc.TargetWorkerStub, "draft": worker_pb2_grpc.DraftWorkerStub}
+    paths = {}
+    for role, stub in stubs.items():
+        try:
+            port = (logs_dir / f"{role}.port").read_text().strip()
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                info = stub(channel).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+            paths[role] = info.gemm_path or "not chosen (no calibration, or not a CPU)"
+        except (OSError, grpc.RpcError) as exc:
+            paths[role] = f"unknown ({type(exc).__name__})"
+    return paths
 
 
 # Environment variables that cap the instruction set of torch's own kernels, oneDNN's and MKL's.
