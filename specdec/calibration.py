@@ -40,12 +40,13 @@ def measurement_order(max_tokens: int) -> list[int]:
 @torch.inference_mode()
 def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int, contexts: tuple[int, ...],
                        budget_s: float, reps: int = 1, clock: Callable[[], float] = time.monotonic,
-                       load_tokens: tuple[int, ...] = ()) -> CostCurve:
+                       load_tokens: tuple[int, ...] = (), step_tokens: tuple[int, ...] = ()) -> CostCurve:
     """Median ms of a forward over t new tokens on top of c cached ones, for t in 1..max_tokens.
 
     `load_tokens`: larger row counts, measured at the first context only, right after its end points
     (the largest always, the rest within budget). A batch of B sessions at k drafts is a forward of about B*(k+1) rows, and the orchestrator prices
-    load with them."""
+    load with them. `step_tokens`: row counts past max_tokens where the cost steps (a reduced GEMM
+    path's last rows and the next), measured right after the largest load point, before the others."""
     if budget_s <= 0:
         return CostCurve()
     device = next(model.parameters()).device
@@ -62,7 +63,9 @@ def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int,
         if context == contexts[0]:
             # Right after the two end points, largest first: without them load cannot be priced.
             limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 1 << 30
-            order[2:2] = sorted((t for t in load_tokens if t > max_tokens and context + t <= limit), reverse=True)
+            load = sorted({t for t in load_tokens if t > max_tokens and context + t <= limit}, reverse=True)
+            steps = sorted({t for t in step_tokens if t > max_tokens and context + t <= limit} - set(load))
+            order[2:2] = load[:1] + steps + load[1:]
         # 1, max_tokens and the largest load point are always measured (they bracket the curve).
         always = 3 if len(order) > 2 and order[2] > max_tokens else 2
         for i, tokens in enumerate(order):
@@ -89,11 +92,11 @@ GEMM_PATHS = ("auto", "library")
 
 
 def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "auto",
-              reduced_rows: bool = False) -> None:
+              allow_reduced: bool = False) -> None:
     """At worker startup: choose the GEMM path (CPU), then measure the cost curve, within budget_s of
     measuring. Swapping the chosen paths in (packing the weights) comes on top: seconds for a 1.5B
     float32 model, more for larger ones. `gemm_path` "library" (--gemm-path) keeps F.linear everywhere,
-    the kernels HF `generate` runs, and gives the whole budget to the cost curve. `reduced_rows`: a
+    the kernels HF `generate` runs, and gives the whole budget to the cost curve. `allow_reduced`: a
     float32 draft's few-row products may run on bf16 copies of the weights (models.may_reduce_rows).
 
     The draft forwards 1 token per drafting step and up to 2 on catch-up; the target verifies up to
@@ -114,7 +117,7 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
     else:
         # Row counts for the GEMM path: a session's own steps, and up to 16 rows of batched sessions.
         paths = linear_path.choose_and_apply(core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s / 2,
-                                             allow_reduced=reduced_rows and core.role == "draft")
+                                             allow_reduced=allow_reduced and core.role == "draft")
         core.gemm_path = paths.summary()
     # The budget bounds measuring. Swapping the chosen paths in (packing, owning the tensors) takes
     # what the model's size and the page cache make it (7.6-12.8 s measured for the 1.5B float32
@@ -128,9 +131,10 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
     # Both also measure what batched forwards cost (rows of several sessions): the target's curve lets
     # the k policy price load, and each worker sizes its prompt chunks from its own (scheduler.prefill_chunk_for).
     load = (16, 32, 64)
-    # Where some shapes run a reduced copy up to r rows, the forward's cost steps up past r: measure r
-    # and r + 1 (the curve is interpolated between its points, and 2 to 16 would smooth the step away).
-    reduced = max((plan.reduced_rows for plan in paths.plans.values()), default=0)
-    load += tuple(sorted({reduced, reduced + 1} - set(range(max_tokens + 1)))) if reduced else ()
+    # Where shapes run a reduced copy up to r rows, the forward's cost steps up past r: measure r and
+    # r + 1 for each such r (the curve is interpolated between its points, and 2 to 16 would smooth
+    # the steps away).
+    steps = tuple(sorted({t for plan in paths.plans.values() if plan.reduced_rows
+                          for t in (plan.reduced_rows, plan.reduced_rows + 1)}))
     core.cost_curve = measure_cost_curve(core.model, core.vocab_size, max_tokens, contexts, max(left, 1e-9),
-                                         load_tokens=load)
+                                         load_tokens=load, step_tokens=steps)

@@ -21,7 +21,7 @@ distinct weight shape of its model, the ways below to compute the same product a
   target decides, so the output is unchanged.
 
 A shape either keeps its dense weight (and picks `linear` or `weight_left` per M) or swaps it for the
-packed one (every M): one float32 copy of the weights, never two. Each timing is one pass over about
+packed one (every M the reduced copy leaves): one float32 copy of the weights, never two. Each timing is one pass over about
 COLD_BYTES of the shape's weights, so that it never times the cache (a forward reads each weight
 once): whole layers in turn, or, for one layer larger than that (an LM head), a slice of its rows of
 about COLD_BYTES, the time scaled to the whole layer. Before any timing, each path's output is
@@ -225,7 +225,8 @@ class PathChoice:
             return "F.linear everywhere (" + ("measurement skipped)" if self.complete else "budget ran out)")
         parts = []
         for (out, inp), plan in sorted(self.plans.items()):
-            rows = frozenset(m for m, left in zip(plan.grid, plan.weight_left) if left)
+            # Weight-left only where it runs: the reduced copy takes the rows up to reduced_rows.
+            rows = frozenset(m for m, left in zip(plan.grid, plan.weight_left) if left and m > plan.reduced_rows)
             what = "oneDNN packed" if plan.packed else f"weight-left at M={_ranges(rows)}" if rows else "F.linear"
             if plan.reduced_rows:
                 what += f", {REDUCED_NAME} copy at M={_ranges(frozenset(range(1, plan.reduced_rows + 1)))}"

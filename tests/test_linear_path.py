@@ -349,7 +349,7 @@ def test_only_an_auto_float32_cpu_draft_may_reduce_rows(monkeypatch: pytest.Monk
 def test_calibrate_passes_the_reduced_rows_permission_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear_path, "best_ms", _favouring(linear_path.REDUCED))
     core = WorkerCore(load_model("tiny:seed=0"), "draft")
-    calibrate(core, max_k=3, budget_s=5, reduced_rows=True)
+    calibrate(core, max_k=3, budget_s=5, allow_reduced=True)
     reduced = [m for m in _linears(core.model) if isinstance(m, linear_path.PathLinear) and m.plan.reduced_rows]
     assert reduced and "bf16 copy" in core.gemm_path
     core = WorkerCore(load_model("tiny:seed=0"), "draft")
@@ -396,11 +396,11 @@ def test_calibrate_gives_the_reduced_path_to_a_draft_only_and_measures_its_step(
 
     monkeypatch.setattr(linear_path, "best_ms", fake_best_ms)
     target = WorkerCore(load_model("tiny:seed=0"), "target")
-    calibrate(target, max_k=3, budget_s=30, reduced_rows=True)
+    calibrate(target, max_k=3, budget_s=30, allow_reduced=True)
     assert "bf16" not in target.gemm_path and not any(
         isinstance(m, linear_path.PathLinear) and m.plan.reduced_rows for m in target.model.modules())
     draft = WorkerCore(load_model("tiny:seed=0"), "draft")
-    calibrate(draft, max_k=3, budget_s=30, reduced_rows=True)
+    calibrate(draft, max_k=3, budget_s=30, allow_reduced=True)
     assert "bf16 copy at M=1-4" in draft.gemm_path
     assert {1, 2, 4, 5} <= {t for t, _, _ in draft.cost_curve.points}
 
@@ -417,15 +417,35 @@ def test_a_draft_worker_started_with_dtype_auto_passes_the_permission_on(monkeyp
     class Stop(Exception):
         pass
 
-    def fake_calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str, reduced_rows: bool) -> None:
-        seen.append(reduced_rows)
+    def fake_calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str, allow_reduced: bool) -> None:
+        seen.append(allow_reduced)
         raise Stop
 
     monkeypatch.setattr(worker_server, "calibrate", fake_calibrate)
     monkeypatch.setattr(models, "bf16_is_fast", lambda device="cpu": False)
-    for role, flags, want in (("draft", [], True), ("draft", ["--dtype", "float32"], False), ("target", [], False)):
+    cpu = ["--device", "cpu"]  # auto would be CUDA on a GPU host, where no copy is offered
+    for role, flags, want in (("draft", cpu, True), ("draft", cpu + ["--dtype", "float32"], False), ("target", cpu, False)):
         parser = argparse.ArgumentParser()
         worker_server.add_worker_args(parser, "tiny:seed=0")
         with pytest.raises(Stop):
             asyncio.run(worker_server.serve_worker(parser.parse_args(flags), role, None, None, "x"))  # type: ignore[arg-type]
         assert seen.pop() is want, (role, flags)
+
+
+def test_the_summary_names_only_the_weight_left_rows_that_run() -> None:
+    """Rows the bf16 copy takes do not run weight-left: the summary must not say they do."""
+    plan = linear_path.ShapePlan(False, (1, 2, 3, 4), (False, True, True, True), reduced_rows=2)
+    assert linear_path.PathChoice({(8, 8): plan}).summary() == "8x8: weight-left at M=3-4, bf16 copy at M=1-2"
+
+
+def test_the_reduced_step_is_measured_right_after_the_largest_load_point_and_once() -> None:
+    from specdec.calibration import measure_cost_curve
+    loaded = load_model("tiny:seed=0")
+    ticks = iter(range(1000))
+    # One tick per clock call, a budget of 5.5 ticks: the first five row counts of the order only.
+    curve = measure_cost_curve(loaded.model, loaded.model.config.vocab_size, 2, (8,), 5.5,
+                               clock=lambda: float(next(ticks)), load_tokens=(16, 32, 64), step_tokens=(2, 3, 4))
+    assert {t for t, _, _ in curve.points} == {1, 2, 64, 3, 4}
+    curve = measure_cost_curve(loaded.model, loaded.model.config.vocab_size, 2, (8,), 60,
+                               load_tokens=(16, 32, 64), step_tokens=(15, 16))
+    assert sorted(t for t, _, _ in curve.points) == [1, 2, 15, 16, 32, 64]  # 16 once, though asked twice
