@@ -63,8 +63,10 @@ def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int,
         if context == contexts[0]:
             # Right after the two end points, largest first: without them load cannot be priced.
             limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 1 << 30
-            load = sorted({t for t in load_tokens if t > max_tokens and context + t <= limit}, reverse=True)
-            steps = sorted({t for t in step_tokens if t > max_tokens and context + t <= limit} - set(load))
+            def fitting(tokens: tuple[int, ...]) -> set[int]:
+                return {t for t in tokens if t > max_tokens and context + t <= limit}
+            load = sorted(fitting(load_tokens), reverse=True)
+            steps = sorted(fitting(step_tokens) - set(load))
             order[2:2] = load[:1] + steps + load[1:]
         # 1, max_tokens and the largest load point are always measured (they bracket the curve).
         always = 3 if len(order) > 2 and order[2] > max_tokens else 2

@@ -424,9 +424,8 @@ def _float_plan(timer: _ShapeTimer, decode: list[int], prefill: int | None) -> S
     if PACKED not in timer.ms:
         return dense
     packed_ms = timer.ms[PACKED]
-    best = {m: min(timer.dense_ms(m), packed_ms[m]) for m in decode}
-    packed_score = sum(packed_ms[m] / best[m] for m in decode)
-    dense_score = sum(timer.dense_ms(m) / best[m] for m in decode)
+    packed_score = sum(packed_ms[m] / timer.float_ms(m) for m in decode)
+    dense_score = sum(timer.dense_ms(m) / timer.float_ms(m) for m in decode)
     prompt_ok = prefill is None or packed_ms[prefill] <= PREFILL_SLACK * timer.dense_ms(prefill)
     return ShapePlan(packed=True) if packed_score < dense_score and prompt_ok else dense
 

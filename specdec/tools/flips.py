@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.calibration import GEMM_PATHS
 from specdec.embedded import DEFAULT_TARGET
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", default=str(ROOT / "bench" / "prompts.jsonl"))
     parser.add_argument("--max-prompts", type=int, default=9)
-    parser.add_argument("--gemm-path", choices=("auto", "library"), default="auto",
+    parser.add_argument("--gemm-path", choices=GEMM_PATHS, default="auto",
                         help="auto: the k+1-position forwards run the GEMM path a worker picks at startup "
                              "(linear_path), against HF's one-at-a-time decode; library: F.linear for both")
     parser.add_argument("--out", help="write the counts as JSON here")
