@@ -21,6 +21,10 @@ from specdec.worker_core import WorkerCore
 log = logging.getLogger(__name__)
 
 BATCHED_PATH_ROWS = 16
+# The reduced copies' check (reduced_overlap): one-token steps over the draft's own greedy continuation
+# of a random prefix, and how much of the full-precision draft's distribution they must keep.
+OVERLAP_PREFIX, OVERLAP_STEPS = 16, 32
+MIN_REDUCED_OVERLAP = 0.9
 
 
 def measurement_order(max_tokens: int) -> list[int]:
@@ -93,13 +97,38 @@ def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int,
 GEMM_PATHS = ("auto", "library")
 
 
+@torch.inference_mode()
+def reduced_overlap(model: torch.nn.Module, vocab_size: int, copy_rows: int, prefix: int = OVERLAP_PREFIX,
+                    steps: int = OVERLAP_STEPS) -> float:
+    """How much of the draft's own distribution its reduced copies keep: the mean over `steps`
+    one-token steps of sum_x min(p(x), q(x)), which is the acceptance the copies would get drafting for
+    the full-precision draft. q: each step's distribution on the copies (the steps follow q's own greedy
+    tokens from a seeded random prefix); p: the same positions' in one forward over the prefix and those
+    tokens, more rows than any copy takes (`copy_rows`), so on the full-precision path."""
+    if prefix + steps <= copy_rows:
+        raise ValueError(f"the check's forward of {prefix + steps} rows would run on copies taking up to {copy_rows}")
+    device = next(model.parameters()).device
+    ids = torch.randint(0, vocab_size, (1, prefix), generator=torch.Generator().manual_seed(1)).to(device)
+    cache = new_cache(model)
+    token = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax()
+    fed, reduced = [], []
+    for _ in range(steps):
+        fed.append(token.view(1, 1))
+        logits = model(input_ids=fed[-1], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        reduced.append(logits.float().softmax(-1))
+        token = logits.argmax()
+    full = model(input_ids=torch.cat([ids, *fed], dim=1), use_cache=False).logits[0, prefix:].float().softmax(-1)
+    return torch.minimum(full, torch.stack(reduced)).sum(-1).mean().item()
+
+
 def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "auto",
-              allow_reduced: bool = False) -> None:
+              reduced: str | None = None) -> None:
     """At worker startup: choose the GEMM path (CPU), then measure the cost curve, within budget_s of
     measuring. Swapping the chosen paths in (packing the weights) comes on top: seconds for a 1.5B
     float32 model, more for larger ones. `gemm_path` "library" (--gemm-path) keeps F.linear everywhere,
-    the kernels HF `generate` runs, and gives the whole budget to the cost curve. `allow_reduced`: a
-    float32 draft's few-row products may run on bf16 copies of the weights (models.may_reduce_rows).
+    the kernels HF `generate` runs, and gives the whole budget to the cost curve. `reduced`: the kind of
+    copy (int4, bf16) a draft's few-row products may run on (models.reduced_copy_kind); a draft whose
+    copies keep less than MIN_REDUCED_OVERLAP of its distribution (reduced_overlap) runs without them.
 
     The draft forwards 1 token per drafting step and up to 2 on catch-up; the target verifies up to
     max_k + 1. Contexts: a short and a longer prompt, the second only as far as the budget allows.
@@ -119,8 +148,21 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
     else:
         # Row counts for the GEMM path: a session's own steps, and up to 16 rows of batched sessions.
         paths = linear_path.choose_and_apply(core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s / 2,
-                                             allow_reduced=allow_reduced and core.role == "draft")
+                                             reduced=reduced if core.role == "draft" else None)
         core.gemm_path = paths.summary()
+        copy_rows = max((plan.reduced_rows for plan in paths.plans.values()), default=0)
+        if copy_rows:
+            started = time.monotonic()
+            overlap = reduced_overlap(core.model, core.vocab_size, copy_rows)
+            paths.seconds += time.monotonic() - started
+            if overlap < MIN_REDUCED_OVERLAP:
+                log.warning("the draft's %s weight copies keep %.3f of its token distributions (under %.2f): "
+                            "running without them", reduced, overlap, MIN_REDUCED_OVERLAP)
+                linear_path.drop_reduced(core.model, paths)
+                core.gemm_path = paths.summary() + f" ({reduced} copies dropped: {overlap:.3f} overlap)"
+            else:
+                log.info("the draft's %s weight copies keep %.3f of its token distributions", reduced, overlap)
+                core.gemm_path += f" ({reduced} copies keep {overlap:.3f} of the draft's distributions)"
     # The budget bounds measuring. Swapping the chosen paths in (packing, owning the tensors) takes
     # what the model's size and the page cache make it (7.6-12.8 s measured for the 1.5B float32
     # target on 2 Zen 5 cores) and is not charged to the curve: charged, it left the curve little or

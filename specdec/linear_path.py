@@ -12,13 +12,20 @@ distinct weight shape of its model, the ways below to compute the same product a
   ops torch.compile's CPU backend uses for bf16 linears). On the Zen 4 it is nearly flat from M = 1
   to 16 and 1.5-3.5x faster than either dense path for the float32 target.
 
-- `reduced` (a float32 draft only, where the CPU has no bf16 units: `--dtype auto` keeps such a draft
-  in float32): a bf16 copy of the weight, for the row counts where it wins. ATen's bf16
-  matrix-vector kernels read half the bytes, and on AVX2 kernels they took a draft's one-token linears
-  2.5-3.5x below the best float32 path; from about 4 rows they lose, and at a prompt chunk's 64 rows
-  they are 4x slower, so only a prefix of row counts (1, 2, ...) takes them. Costs a bf16 copy of those
-  weights beside the float32 ones, and changes the draft's numerics only: the draft proposes, the
-  target decides, so the output is unchanged.
+- `reduced` (a draft only, never a target): a smaller copy of the weight, for the row counts where it
+  wins, of one of two kinds (`models.reduced_copy_kind`):
+  - `int4`: 4-bit weights in groups of INT4_GROUP inputs, each group with its own scale and offset
+    (round to nearest), run by ATen's CPU int4 kernel. A quarter of bf16's bytes: on the 2-core Zen 4
+    a bf16 draft's one-token step took 25 ms on it against 53 ms on the best bf16 path, with 0.792
+    greedy agreement with the target against 0.800 (its Q4 GGUF weights quantise back nearly
+    exactly). The copy's products are checked against the dequantised weight, and the whole draft's
+    distributions against its own full-precision ones (calibration.reduced_overlap).
+  - `bf16` (a float32 draft where the CPU has no bf16 units, when the int4 kernel is missing or turned
+    off): ATen's bf16 matrix-vector kernels read half the bytes, and on AVX2 kernels they took a
+    draft's one-token linears 2.5-3.5x below the best float32 path.
+  Either loses from a few rows on (at a prompt chunk's 64 rows bf16 was 4x slower), so only a prefix
+  of row counts (1, 2, ...) takes the copy. Costs the copy beside the weights, and changes the draft's
+  numerics only: the draft proposes, the target decides, so the output is unchanged.
 
 A shape either keeps its dense weight (and picks `linear` or `weight_left` per M) or swaps it for the
 packed one (every M the reduced copy leaves): one float32 copy of the weights, never two. Each timing is one pass over about
@@ -52,8 +59,15 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 LINEAR, WEIGHT_LEFT, PACKED, REDUCED = "linear", "weight_left", "packed", "reduced"
-# The dtype of the reduced path's weight copy and products.
+# The reduced path's kinds of copy (module doc).
+INT4, BF16 = "int4", "bf16"
+REDUCED_KINDS = (INT4, BF16)
+# The dtype of the bf16 copy, and of the rounding both kinds apply to their operands.
 REDUCED_DTYPE = torch.bfloat16
+# Inputs per int4 group (one scale and one offset each): a Q4 GGUF's sub-block.
+INT4_GROUP = 32
+# Rows quantised at a time (a multiple of the kernel's 64-row packing).
+QUANTIZE_ROWS = 8192
 # Weight-left must win by this margin: ties go to the library's own kernel.
 MIN_GAIN = 0.9
 # The packed plan must not cost a prompt chunk more than this over the best dense path.
@@ -80,7 +94,6 @@ OUTPUT_ULPS = 2.0
 # with independent roundings it stays near 0.4 x eps x the norm (about 2 at worst over 65k outputs):
 # OPERAND_TOL x eps x the norm is a statistical margin, still far below a broken kernel's error (the scale).
 OPERAND_TOL = 4.0
-REDUCED_NAME = "bf16"  # REDUCED_DTYPE as the summary names it
 # Outputs of a shape's first layer the agreement check compares (the first ones).
 AGREEMENT_OUTPUTS = 4096
 
@@ -120,12 +133,89 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def _reduced_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+@dataclass(frozen=True)
+class Int4Weight:
+    """A weight as 4-bit integers q in groups of `group` inputs: W = (q - 8) * scale + offset per group,
+    in ATen's CPU int4 layout (`packed`: [out, in / 2] bytes; `scales_and_zeros`: [in / group, out, 2],
+    in the dtype of the products)."""
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    group: int
+    out_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros))
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP,
+                  dequantized: bool = False) -> tuple[Int4Weight, torch.Tensor | None]:
+    """Round to nearest on each group's own [min, max] in 16 steps. With `dequantized`, also the weight
+    the int4 one stands for (float32), what its products are checked against. Raises ValueError where
+    the shape does not fit the kernel."""
+    out_features, in_features = weight.shape
+    if in_features % group or out_features % 16:
+        raise ValueError(f"{out_features}x{in_features} does not fit int4 groups of {group} (or 16 outputs)")
+    packed, scales_and_zeros, back = [], [], []
+    # By blocks of rows: a float32 copy of a whole LM head, and its integer one, would add over 1 GB to
+    # a worker's startup peak. The kernel's layout packs 64 rows at a time, so blocks of a multiple of
+    # 64 rows pack as the whole does.
+    for rows in weight.detach().split(QUANTIZE_ROWS):
+        # In place on the block's own float32 copy (copy=True: .float() of a float32 weight is the weight
+        # itself, which this would overwrite): fresh temporaries cost page faults (4x slower in all).
+        w = rows.to(torch.float32, copy=True).reshape(rows.shape[0], in_features // group, group)
+        low = w.amin(-1, keepdim=True)
+        scale = ((w.amax(-1, keepdim=True) - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        q = w.sub_(low).div_(scale).round_().clamp_(0, 15)
+        # Stored in the products' dtype, as the kernel reads them: the dequantised weight uses the same values.
+        scale = scale.to(weight.dtype)
+        offset = (low + 8 * scale.float()).to(weight.dtype)
+        scales_and_zeros.append(torch.stack([scale.squeeze(-1), offset.squeeze(-1)], -1))
+        packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32).reshape(rows.shape[0], in_features), 1))
+        if dequantized:
+            back.append(q.sub_(8).mul_(scale.float()).add_(offset.float()).reshape(rows.shape[0], in_features))
+    int4 = Int4Weight(torch.cat(packed), torch.cat(scales_and_zeros).transpose(0, 1).contiguous(), group, out_features)
+    return int4, torch.cat(back) if dequantized else None
+
+
+@functools.cache
+def int4_supported(dtype: torch.dtype) -> bool:
+    """ATen's CPU int4 kernel runs here for products in this dtype (probed once: torch builds differ)."""
+    try:
+        weight, _ = quantize_int4(torch.ones(16, INT4_GROUP, dtype=dtype))
+        int4_linear(torch.ones(1, INT4_GROUP, dtype=dtype), weight, None)
+    except (AttributeError, RuntimeError, ValueError) as exc:  # AttributeError: a torch without the ops
+        log.info("int4 weights unavailable for %s: %s", dtype, exc)
+        return False
+    return True
+
+
+def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1]).to(weight.scales_and_zeros.dtype).contiguous()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight.packed, weight.group, weight.scales_and_zeros)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.out_features).to(x.dtype)
+
+
+ReducedCopy = tuple["torch.Tensor | Int4Weight", "torch.Tensor | None"]
+
+
+def _reduced_copy(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> ReducedCopy:
+    if kind == INT4:
+        return quantize_int4(weight)[0], None if bias is None else bias.detach()
     return weight.detach().to(REDUCED_DTYPE), None if bias is None else bias.detach().to(REDUCED_DTYPE)
 
 
-def reduced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T + b on REDUCED_DTYPE copies (float32 accumulation in ATen's kernels), back in x's dtype."""
+def _copy_bytes(copy: ReducedCopy) -> int:
+    return sum(t.nbytes if isinstance(t, Int4Weight) else t.numel() * t.element_size() for t in copy if t is not None)
+
+
+def reduced_linear(x: torch.Tensor, weight: "torch.Tensor | Int4Weight", bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + b on a reduced copy (float32 accumulation in ATen's kernels), back in x's dtype."""
+    if isinstance(weight, Int4Weight):
+        return int4_linear(x, weight, bias)
     return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
 
 
@@ -160,11 +250,12 @@ def agreement(y: torch.Tensor, reference: torch.Tensor, x: torch.Tensor, weight:
 class ShapePlan:
     """What one weight shape runs. Packed: every M through oneDNN's packed weight. Dense: per measured
     row count, weight-left or F.linear; any other count takes the choice of the one below it. Either
-    way, row counts up to `reduced_rows` (0: none) run on a REDUCED_DTYPE copy of the weight."""
+    way, row counts up to `reduced_rows` (0: none) run on a copy of the weight of `reduced_kind`."""
     packed: bool = False
     grid: tuple[int, ...] = ()
     weight_left: tuple[bool, ...] = ()
     reduced_rows: int = 0
+    reduced_kind: str = BF16
 
     def weight_left_at(self, rows: int) -> bool:
         i = bisect.bisect_right(self.grid, rows) - 1
@@ -187,9 +278,9 @@ class PathLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.plan = plan
         self.bias = linear.bias
-        self.reduced: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.reduced: ReducedCopy | None = None
         if plan.reduced_rows > 0:  # copied before packing drops the dense weight
-            self.reduced = _reduced_copy(linear.weight, linear.bias)
+            self.reduced = _reduced_copy(linear.weight, linear.bias, plan.reduced_kind)
         self.packed: torch.Tensor | None = None
         if plan.packed:
             self.packed = pack(linear.weight)
@@ -201,6 +292,11 @@ class PathLinear(torch.nn.Module):
         if self.packed is not None or self.reduced is not None:
             raise RuntimeError("a packed or reduced PathLinear cannot be moved or cast: do that before linear_path.apply")
         return super()._apply(fn, recurse)
+
+    def drop_reduced(self) -> None:
+        """Run every row count on the plan's other path (the copy failed the model's check)."""
+        self.reduced = None
+        self.plan = dataclasses.replace(self.plan, reduced_rows=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.reduced is not None and x.numel() // self.in_features <= self.plan.reduced_rows:
@@ -229,7 +325,7 @@ class PathChoice:
             rows = frozenset(m for m, left in zip(plan.grid, plan.weight_left) if left and m > plan.reduced_rows)
             what = "oneDNN packed" if plan.packed else f"weight-left at M={_ranges(rows)}" if rows else "F.linear"
             if plan.reduced_rows:
-                what += f", {REDUCED_NAME} copy at M={_ranges(frozenset(range(1, plan.reduced_rows + 1)))}"
+                what += f", {plan.reduced_kind} copy at M={_ranges(frozenset(range(1, plan.reduced_rows + 1)))}"
             parts.append(f"{out}x{inp}: {what}{self._gain_text((out, inp)) if plan.swaps else ''}")
         return "; ".join(parts) + ("" if self.complete else " (budget ran out: the rest stays F.linear)")
 
@@ -293,7 +389,7 @@ class _ShapeTimer:
     LM head took 6.9 of its 10.9 s of measuring on a 2-core Zen 4, and its attention projections were
     left untimed, on F.linear.)"""
 
-    def __init__(self, linears: list[torch.nn.Linear], reps: int, can_pack: bool, can_reduce: bool = False) -> None:
+    def __init__(self, linears: list[torch.nn.Linear], reps: int, can_pack: bool, reduced: str | None = None) -> None:
         first = linears[0]
         layer_bytes = max(1, first.weight.numel() * first.weight.element_size())
         if layer_bytes > COLD_BYTES:
@@ -308,9 +404,24 @@ class _ShapeTimer:
             self.scale = 1.0 / len(self.linears)
         self.reps = reps
         self.packed = [pack(weight) for weight, _ in self.weights] if can_pack else []
-        self.reduced = [_reduced_copy(weight, bias) for weight, bias in self.weights] if can_reduce else []
+        self.reduced_kind = reduced
+        self.reduced: list[ReducedCopy] = []
+        # What the first (sliced) layer's int4 copy stands for: its products are checked against it.
+        self.dequantized: torch.Tensor | None = None
+        if reduced:
+            try:
+                if reduced == INT4:  # the first layer's copy once, with what it stands for
+                    (weight, bias), rest = self.weights[0], self.weights[1:]
+                    copy, self.dequantized = quantize_int4(weight, dequantized=True)
+                    self.reduced = [(copy, None if bias is None else bias.detach())]
+                    self.reduced += [_reduced_copy(weight, bias, reduced) for weight, bias in rest]
+                else:
+                    self.reduced = [_reduced_copy(weight, bias, reduced) for weight, bias in self.weights]
+            except ValueError as exc:
+                log.info("no %s copy for %dx%d: %s", reduced, first.out_features, first.in_features, exc)
+                self.reduced = []
         self.ms: dict[str, dict[int, float]] = ({LINEAR: {}, WEIGHT_LEFT: {}} | ({PACKED: {}} if can_pack else {})
-                                               | ({REDUCED: {}} if can_reduce else {}))
+                                               | ({REDUCED: {}} if self.reduced else {}))
 
     def _runs(self, x: torch.Tensor, layers: slice) -> dict[str, Callable[[], list[torch.Tensor]]]:
         """Each path's run over the timed layers in `layers`."""
@@ -343,8 +454,13 @@ class _ShapeTimer:
                 for path, run in runs.items():
                     if path in dropped:
                         continue
+                    # An int4 copy stands for its dequantised weight: its product is checked against that one's.
+                    stands_for = self.dequantized if path == REDUCED and self.dequantized is not None else None
+                    against = weight[checked] if stands_for is None else stands_for[checked].to(weight.dtype)
+                    expected = reference if stands_for is None else F.linear(
+                        x, against, None if bias is None else bias[checked])
                     try:
-                        error = agreement(run()[0][..., checked], reference, x, weight[checked],
+                        error = agreement(run()[0][..., checked], expected, x, against,
                                           None if bias is None else bias[checked],
                                           REDUCED_DTYPE if path == REDUCED else None)
                     except RuntimeError as exc:
@@ -360,7 +476,8 @@ class _ShapeTimer:
             self.reduced = []
         return dropped
 
-    def time(self, m: int) -> None:
+    def time(self, m: int, only: tuple[str, ...] | None = None) -> None:
+        """Time the paths at m rows (`only`: just these of them)."""
         first = self.linears[0]
         x = torch.randn(m, first.in_features, dtype=first.weight.dtype, device=first.weight.device)
         # Warming a GEMM shape's kernels up takes one of its layers: the last one, which leaves the
@@ -368,8 +485,13 @@ class _ShapeTimer:
         # first timing warms the whole pass: the first reads of a memory-mapped checkpoint fault pages in.
         warm_ups = self._runs(x, slice(-1, None)) if self.ms[LINEAR] else None
         runs = self._runs(x, slice(None))
-        if REDUCED in runs and self.reduced_lost_below(m):
-            del runs[REDUCED]  # its cost grows with the rows: a loss at fewer rows is one here
+        if only is not None:
+            runs = {path: run for path, run in runs.items() if path in only}
+            warm_ups = {path: run for path, run in (warm_ups or {}).items() if path in only} or None
+        if REDUCED in runs and (m >= PREFILL_ROWS or self.reduced_lost_below(m)):
+            # Its cost grows with the rows: a loss at fewer rows is one here. And it only ever takes
+            # decode rows: a prompt chunk's would time the copies' slowest case for nothing.
+            del runs[REDUCED]
         with torch.inference_mode():
             for path, ms in best_ms(runs, self.reps, warm_ups=warm_ups).items():
                 self.ms[path][m] = ms * self.scale
@@ -386,10 +508,11 @@ class _ShapeTimer:
         return min(self.dense_ms(m), self.ms.get(PACKED, {}).get(m, math.inf))
 
     def left_wins(self, m: int) -> bool:
-        return WEIGHT_LEFT in self.ms and self.ms[WEIGHT_LEFT][m] < MIN_GAIN * self.ms[LINEAR][m]
+        return m in self.ms.get(WEIGHT_LEFT, {}) and self.ms[WEIGHT_LEFT][m] < MIN_GAIN * self.ms[LINEAR][m]
 
     def dense_ms(self, m: int) -> float:
-        return self.ms[WEIGHT_LEFT if self.left_wins(m) else LINEAR][m]
+        """The dense path's time at m (inf where only the packed and reduced paths were timed)."""
+        return self.ms[WEIGHT_LEFT if self.left_wins(m) else LINEAR].get(m, math.inf)
 
     def packed_wins(self, m: int) -> bool:
         return PACKED in self.ms and self.ms[PACKED][m] <= self.dense_ms(m)
@@ -404,7 +527,7 @@ def _plan(timer: _ShapeTimer, decode: list[int], prefill: int | None) -> ShapePl
     taken = _reduced_rows(timer, decode, timer.float_ms)
     plan = _float_plan(timer, [m for m in decode if m > taken] or decode, prefill)
     rows = _reduced_rows(timer, decode, lambda m: timer.ms[PACKED][m] if plan.packed else timer.dense_ms(m))
-    return dataclasses.replace(plan, reduced_rows=rows) if rows else plan
+    return dataclasses.replace(plan, reduced_rows=rows, reduced_kind=timer.reduced_kind or BF16) if rows else plan
 
 
 def _reduced_rows(timer: _ShapeTimer, decode: list[int], float_ms: Callable[[int], float]) -> int:
@@ -432,9 +555,9 @@ def _float_plan(timer: _ShapeTimer, decode: list[int], prefill: int | None) -> S
 
 def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
             clock: Callable[[], float] = time.monotonic, allow_packing: bool = True,
-            allow_reduced: bool = False) -> PathChoice:
+            reduced: str | None = None) -> PathChoice:
     """Time the paths for each distinct Linear shape at M = 1..max_m (and a prompt chunk's rows).
-    `allow_reduced`: float32 weights may also take the reduced path (a float32 draft, never a target).
+    `reduced`: the kind of copy the reduced path may use (a draft's, never a target's; None: no copy).
 
     The end points and the middle (M = 1, the middle of the grid, max_m, the prompt chunk) come
     first: where the packed path wins at all of them, it is taken without timing the rest (a
@@ -460,10 +583,12 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
         can_pack = (allow_packing and packing_supported(linears[0].weight.dtype)
                     and linears[0].weight.device.type == "cpu"
                     and not any(lin.weight.data_ptr() in shared for lin in linears))
-        # A tied weight may take a reduced copy: that is a second dtype, not a second float32 copy.
-        can_reduce = (allow_reduced and linears[0].weight.dtype == torch.float32
-                      and linears[0].weight.device.type == "cpu")
-        timer = _ShapeTimer(linears, reps, can_pack, can_reduce)
+        # A tied weight may take a reduced copy: that is another format, not a second copy of the same.
+        dtype, on_cpu = linears[0].weight.dtype, linears[0].weight.device.type == "cpu"
+        kind = reduced if on_cpu and (
+            (reduced == BF16 and dtype == torch.float32)
+            or (reduced == INT4 and dtype in (torch.float32, torch.bfloat16) and int4_supported(dtype))) else None
+        timer = _ShapeTimer(linears, reps, can_pack, kind)
         # Compared at one row, two (a reduced path's GEMM rather than its matrix-vector kernel) and the most.
         checked = tuple(sorted({decode[0], decode[min(1, len(decode) - 1)], decode[-1]}))
         for path, why in timer.drop_disagreeing(checked).items():
@@ -472,15 +597,17 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
         ends = sorted({decode[0], decode[len(decode) // 2], decode[-1]} | ({prefill} if prefill else set()))
         order = ends + [m for m in decode if m not in ends]
         for i, m in enumerate(order):
-            if i >= len(ends) and all(timer.packed_wins(e) for e in ends) and timer.reduced_lost_below(m):
+            shortcut = i >= len(ends) and all(timer.packed_wins(e) for e in ends)
+            if shortcut and timer.reduced_lost_below(m):
                 break  # packed wins where it was timed: take it without the rest
             if clock() - started > budget_s:
                 choice.complete = False
                 break
-            timer.time(m)
+            # Past the shortcut only the reduced copy can still beat packed: the dense paths are not timed.
+            timer.time(m, only=(PACKED, REDUCED) if shortcut else None)
         if not choice.complete:
             break
-        timed_decode = [m for m in decode if m in timer.ms[LINEAR]]
+        timed_decode = [m for m in decode if m in timer.ms[LINEAR] or m in timer.ms.get(REDUCED, {})]
         choice.plans[shape] = _plan(timer, timed_decode, prefill)
         choice.timings[shape] = timer.ms
     choice.seconds = clock() - started
@@ -503,18 +630,29 @@ def apply(model: torch.nn.Module, choice: PathChoice) -> int:
     return swapped
 
 
-def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float, allow_reduced: bool = False) -> PathChoice:
+def reduced_copy_bytes(model: torch.nn.Module) -> int:
+    return sum(_copy_bytes(m.reduced) for m in model.modules() if isinstance(m, PathLinear) and m.reduced)
+
+
+def drop_reduced(model: torch.nn.Module, choice: PathChoice) -> None:
+    """Every shape runs its other path at every row count: the copies failed the model's check."""
+    for module in model.modules():
+        if isinstance(module, PathLinear):
+            module.drop_reduced()
+    choice.plans = {shape: dataclasses.replace(plan, reduced_rows=0) for shape, plan in choice.plans.items()}
+
+
+def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float, reduced: str | None = None) -> PathChoice:
     """Measure on this machine and apply; CPU only (GPU GEMMs have no such small-M cliff)."""
     device = next(model.parameters()).device
     if device.type != "cpu" or budget_s <= 0:
         return PathChoice()
-    choice = measure(model, max_m, budget_s, allow_reduced=allow_reduced)
+    choice = measure(model, max_m, budget_s, reduced=reduced)
     started = time.monotonic()
     swapped = apply(model, choice)
-    copies = sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, PathLinear) and m.reduced
-                 for t in m.reduced if t is not None)
+    copies = reduced_copy_bytes(model)
     log.info("GEMM path (%.1fs measuring, %.1fs swapping in, %d linears swapped%s): %s", choice.seconds,
              time.monotonic() - started, swapped,
-             f", {REDUCED_NAME} copies {copies / 2**20:.0f} MiB beside the float32 weights" if copies else "",
+             f", {reduced} copies {copies / 2**20:.0f} MiB beside the weights" if copies else "",
              choice.summary())
     return choice

@@ -105,13 +105,20 @@ def resolve_dtype(name: str, role: str, device: torch.device | str = "cpu") -> t
     return DTYPES[name]
 
 
-def may_reduce_rows(name: str, role: str, device: torch.device | str = "cpu") -> bool:
-    """Whether the GEMM path may run a few-row product on a bf16 copy of the weights: `--dtype auto` on
-    a CPU draft that `auto` keeps in float32 (no native bf16). There ATen's bf16 matrix-vector kernels
-    still read half the bytes of a one-token decode step, while its bf16 GEMMs are slow for prompts and
-    batches, which stay float32 (linear_path, "reduced"). Never the target (its numerics are the output)
-    and never an explicit dtype (float32 asked for is float32)."""
-    return name == "auto" and role == "draft" and torch.device(device).type == "cpu" and not bf16_is_fast(device)
+def reduced_copy_kind(name: str, role: str, device: torch.device | str = "cpu", int4: bool = True) -> str | None:
+    """The kind of smaller weight copy the GEMM path may run a draft's few-row products on (linear_path,
+    "reduced"), or None. Only a CPU draft under `--dtype auto`: never the target (its numerics are the
+    output) and never an explicit dtype (float32 asked for is float32). `int4` (`--int4 auto`), where
+    ATen's CPU int4 kernel runs for the draft's dtype: a quarter of bf16's bytes per one-token step.
+    Else, for a draft `auto` keeps in float32 (no native bf16), a bf16 copy: ATen's bf16 matrix-vector
+    kernels still read half the bytes there, while its bf16 GEMMs are slow for prompts and batches,
+    which stay float32."""
+    if name != "auto" or role != "draft" or torch.device(device).type != "cpu":
+        return None
+    from specdec import linear_path
+    if int4 and linear_path.int4_supported(resolve_dtype(name, role, device)):
+        return linear_path.INT4
+    return None if bf16_is_fast(device) else linear_path.BF16
 
 
 def resolve_device(name: str = "auto") -> torch.device:

@@ -100,19 +100,24 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto | exact (= float32) | float32 | bfloat16. auto: bf16 on CUDA for "
                         "both roles; on CPU the target stays float32 and the draft uses bf16 where the "
-                        "CPU has native bf16; elsewhere the float32 draft's GEMM path may also run its "
-                        "one- and few-token steps on a bf16 copy of the weights where that times faster "
-                        "(float32 rules that out)")
+                        "CPU has native bf16; and a CPU draft's GEMM path may also run its one- and "
+                        "few-token steps on an int4 copy of its weights (--int4), or for a float32 draft "
+                        "on a bf16 copy, where that times faster (an explicit dtype rules both out)")
     parser.add_argument("--calibration-s", type=float, default=20.0,
                         help="startup budget to choose the CPU GEMM path and measure the forward cost curve "
                              "(0 skips both; the k policy then starts from generic defaults); packing the "
                              "chosen weights comes on top (seconds for a 1.5B float32 model)")
     parser.add_argument("--gemm-path", choices=GEMM_PATHS, default="auto",
                         help="auto: each weight shape's GEMM path (F.linear, weight-left, oneDNN-packed weights; "
-                             "for a float32 draft under --dtype auto also a bf16 copy for its fewest-row steps) "
+                             "for a draft under --dtype auto also an int4 or bf16 copy for its fewest-row steps) "
                              "chosen by timing at startup, within half of --calibration-s; library: F.linear "
                              "everywhere, the kernels of HF generate (nearer its numerics), the cost curve still "
                              "measured")
+    parser.add_argument("--int4", choices=("auto", "off"), default="auto",
+                        help="auto: a CPU draft under --dtype auto may run its fewest-row steps on an int4 copy "
+                             "of its weights where that times faster and keeps its token distributions (checked "
+                             "at startup against its own full-precision ones); off: no int4 copy. Never the "
+                             "target")
     parser.add_argument("--max-k", type=int, default=8,
                         help=f"largest k to calibrate for (the orchestrator's max_k), 1 to {MAX_K}")
     parser.add_argument("--max-batch", type=int, default=8,
@@ -215,7 +220,7 @@ def store_limits(args: argparse.Namespace) -> StoreLimits:
 async def serve_worker(args: argparse.Namespace, role: str,
                        make_servicer: Callable[[WorkerCore, BatchLimits], WorkerServicerBase],
                        register: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
-    from specdec.models import load_model, may_reduce_rows, resolve_device, resolve_dtype, set_torch_threads
+    from specdec.models import load_model, reduced_copy_kind, resolve_device, resolve_dtype, set_torch_threads
     check_worker_flags(args)
     set_torch_threads(args.threads)
     device = resolve_device(args.device)
@@ -224,7 +229,7 @@ async def serve_worker(args: argparse.Namespace, role: str,
     loaded = await asyncio.to_thread(load_model, args.model, dtype, str(device))
     core = WorkerCore(loaded, role, store_limits(args))
     await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s, args.gemm_path,
-                            may_reduce_rows(args.dtype, role, device))
+                            reduced_copy_kind(args.dtype, role, device, int4=args.int4 == "auto"))
     servicer = make_servicer(core, batch_limits(args, core.cost_curve, role))
     credentials = None
     if args.tls_cert and args.tls_key:

@@ -302,8 +302,8 @@ def test_measure_offers_the_reduced_path_to_float32_weights_only_when_allowed(mo
         # The reduced path: fast at one row, slow from two (as ATen's bf16 GEMMs on an AVX2 CPU).
         return {path: (0.1 if rows == 1 else 5.0) if path == linear_path.REDUCED else 1.0 for path in runs}
 
-    def recording_time(self: linear_path._ShapeTimer, m: int) -> None:
-        real_time(self, m)
+    def recording_time(self: linear_path._ShapeTimer, m: int, only: tuple[str, ...] | None = None) -> None:
+        real_time(self, m, only)
         timed.append((m, frozenset(p for p, ms in self.ms.items() if m in ms)))
 
     monkeypatch.setattr(linear_path, "best_ms", fake_best_ms)
@@ -313,7 +313,7 @@ def test_measure_offers_the_reduced_path_to_float32_weights_only_when_allowed(mo
     assert all(linear_path.REDUCED not in t for t in off.timings.values()) and not any(
         p.reduced_rows for p in off.plans.values())
     timed.clear()
-    on = linear_path.measure(model, max_m=4, budget_s=60, reps=1, allow_packing=False, allow_reduced=True)
+    on = linear_path.measure(model, max_m=4, budget_s=60, reps=1, allow_packing=False, reduced="bf16")
     assert on.plans and all(p.reduced_rows == 1 for p in on.plans.values()), on.plans
     assert "bf16 copy at M=1" in on.summary()
     # Timed in the order 1, 3, 4, 64 (the ends), then 2: it lost at 3, so it is not timed at 4 or 64
@@ -322,7 +322,7 @@ def test_measure_offers_the_reduced_path_to_float32_weights_only_when_allowed(mo
     assert {m for m, paths in timed if linear_path.REDUCED in paths} == {1, 2, 3}
     bf16 = load_model("tiny:seed=0", torch.bfloat16).model
     assert all(linear_path.REDUCED not in t for t in linear_path.measure(
-        bf16, max_m=2, budget_s=60, reps=1, allow_packing=False, allow_reduced=True).timings.values())
+        bf16, max_m=2, budget_s=60, reps=1, allow_packing=False, reduced="bf16").timings.values())
 
 
 def test_a_reduced_path_off_by_5_percent_is_never_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -330,26 +330,33 @@ def test_a_reduced_path_off_by_5_percent_is_never_chosen(monkeypatch: pytest.Mon
     monkeypatch.setattr(linear_path, "reduced_linear", lambda *args: honest(*args) * 1.05)
     monkeypatch.setattr(linear_path, "best_ms", _favouring(linear_path.REDUCED))
     choice = linear_path.measure(load_model("tiny:seed=0").model, max_m=2, budget_s=60, reps=1,
-                                 allow_packing=False, allow_reduced=True)
+                                 allow_packing=False, reduced="bf16")
     assert choice.plans and not any(p.reduced_rows for p in choice.plans.values())
     assert all(linear_path.REDUCED not in t for t in choice.timings.values())
 
 
-def test_only_an_auto_float32_cpu_draft_may_reduce_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_an_auto_cpu_draft_gets_a_reduced_copy_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int4 for a CPU draft under --dtype auto where the kernel runs; with --int4 off, bf16 for a draft
+    auto keeps in float32 (no native bf16) and nothing where auto gives a bf16 draft. Never the target,
+    an explicit dtype or CUDA."""
     from specdec import models
     monkeypatch.setattr(models, "bf16_is_fast", lambda device="cpu": False)
-    assert models.may_reduce_rows("auto", "draft", "cpu")
-    assert not models.may_reduce_rows("auto", "target", "cpu")  # the target's numerics are the output
-    assert not models.may_reduce_rows("float32", "draft", "cpu")  # float32 asked for is float32
-    assert not models.may_reduce_rows("auto", "draft", "cuda")
+    monkeypatch.setattr(linear_path, "int4_supported", lambda dtype: True)
+    assert models.reduced_copy_kind("auto", "draft", "cpu") == "int4"
+    assert models.reduced_copy_kind("auto", "draft", "cpu", int4=False) == "bf16"
+    assert models.reduced_copy_kind("auto", "target", "cpu") is None  # the target's numerics are the output
+    assert models.reduced_copy_kind("float32", "draft", "cpu") is None  # float32 asked for is float32
+    assert models.reduced_copy_kind("auto", "draft", "cuda") is None
+    monkeypatch.setattr(linear_path, "int4_supported", lambda dtype: False)  # a torch without the kernel
+    assert models.reduced_copy_kind("auto", "draft", "cpu") == "bf16"
     monkeypatch.setattr(models, "bf16_is_fast", lambda device="cpu": True)  # auto gives a bf16 draft there
-    assert not models.may_reduce_rows("auto", "draft", "cpu")
+    assert models.reduced_copy_kind("auto", "draft", "cpu", int4=False) is None
 
 
 def test_calibrate_passes_the_reduced_rows_permission_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear_path, "best_ms", _favouring(linear_path.REDUCED))
     core = WorkerCore(load_model("tiny:seed=0"), "draft")
-    calibrate(core, max_k=3, budget_s=5, allow_reduced=True)
+    calibrate(core, max_k=3, budget_s=5, reduced="bf16")
     reduced = [m for m in _linears(core.model) if isinstance(m, linear_path.PathLinear) and m.plan.reduced_rows]
     assert reduced and "bf16 copy" in core.gemm_path
     core = WorkerCore(load_model("tiny:seed=0"), "draft")
@@ -370,14 +377,14 @@ def test_the_packed_shortcut_still_times_the_rows_the_reduced_path_may_win(monke
         fast = {linear_path.PACKED: 0.5, linear_path.REDUCED: 0.1 if rows <= 2 else 5.0}
         return {path: fast.get(path, 1.0) for path in runs}
 
-    def recording_time(self: linear_path._ShapeTimer, m: int) -> None:
-        real_time(self, m)
+    def recording_time(self: linear_path._ShapeTimer, m: int, only: tuple[str, ...] | None = None) -> None:
+        real_time(self, m, only)
         timed.append(m)
 
     monkeypatch.setattr(linear_path, "best_ms", fake_best_ms)
     monkeypatch.setattr(linear_path._ShapeTimer, "time", recording_time)
     model = load_model("tiny:seed=0").model
-    choice = linear_path.measure(model, max_m=8, budget_s=60, reps=1, allow_reduced=True)
+    choice = linear_path.measure(model, max_m=8, budget_s=60, reps=1, reduced="bf16")
     shapes = len(choice.plans)
     assert shapes and all(p.packed and p.reduced_rows == 2 for p in choice.plans.values()), choice.plans
     # Per shape: the ends 1, 4, 8, 64, then 2 and 3 (below the loss at 4), and none of 6.
@@ -396,40 +403,42 @@ def test_calibrate_gives_the_reduced_path_to_a_draft_only_and_measures_its_step(
 
     monkeypatch.setattr(linear_path, "best_ms", fake_best_ms)
     target = WorkerCore(load_model("tiny:seed=0"), "target")
-    calibrate(target, max_k=3, budget_s=30, allow_reduced=True)
+    calibrate(target, max_k=3, budget_s=30, reduced="bf16")
     assert "bf16" not in target.gemm_path and not any(
         isinstance(m, linear_path.PathLinear) and m.plan.reduced_rows for m in target.model.modules())
     draft = WorkerCore(load_model("tiny:seed=0"), "draft")
-    calibrate(draft, max_k=3, budget_s=30, allow_reduced=True)
+    calibrate(draft, max_k=3, budget_s=30, reduced="bf16")
     assert "bf16 copy at M=1-4" in draft.gemm_path
     assert {1, 2, 4, 5} <= {t for t, _, _ in draft.cost_curve.points}
 
 
 def test_a_draft_worker_started_with_dtype_auto_passes_the_permission_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """serve_worker asks models.may_reduce_rows with the worker's own --dtype, role and device."""
+    """serve_worker asks models.reduced_copy_kind with the worker's own --dtype, --int4, role and device."""
     import argparse
     import asyncio
 
     from specdec import models, worker_server
 
-    seen: list[bool] = []
+    seen: list[str | None] = []
 
     class Stop(Exception):
         pass
 
-    def fake_calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str, allow_reduced: bool) -> None:
-        seen.append(allow_reduced)
+    def fake_calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str, reduced: str | None) -> None:
+        seen.append(reduced)
         raise Stop
 
     monkeypatch.setattr(worker_server, "calibrate", fake_calibrate)
     monkeypatch.setattr(models, "bf16_is_fast", lambda device="cpu": False)
     cpu = ["--device", "cpu"]  # auto would be CUDA on a GPU host, where no copy is offered
-    for role, flags, want in (("draft", cpu, True), ("draft", cpu + ["--dtype", "float32"], False), ("target", cpu, False)):
+    monkeypatch.setattr(linear_path, "int4_supported", lambda dtype: True)
+    for role, flags, want in (("draft", cpu, "int4"), ("draft", cpu + ["--int4", "off"], "bf16"),
+                              ("draft", cpu + ["--dtype", "float32"], None), ("target", cpu, None)):
         parser = argparse.ArgumentParser()
         worker_server.add_worker_args(parser, "tiny:seed=0")
         with pytest.raises(Stop):
             asyncio.run(worker_server.serve_worker(parser.parse_args(flags), role, None, None, "x"))  # type: ignore[arg-type]
-        assert seen.pop() is want, (role, flags)
+        assert seen.pop() == want, (role, flags)
 
 
 def test_the_summary_names_only_the_weight_left_rows_that_run() -> None:

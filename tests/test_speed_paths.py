@@ -221,7 +221,7 @@ def test_measure_takes_packed_at_the_end_points_and_drops_a_shape_the_budget_cut
     timed: dict[tuple[int, int], list[int]] = {}
     now = [0.0]
 
-    def fake_time(self: linear_path._ShapeTimer, m: int) -> None:
+    def fake_time(self: linear_path._ShapeTimer, m: int, only: tuple[str, ...] | None = None) -> None:
         shape = (self.linears[0].out_features, self.linears[0].in_features)
         timed.setdefault(shape, []).append(m)
         now[0] += 1.0

@@ -439,8 +439,9 @@ def main(argv: list[str] | None = None) -> None:
     md = [f"# specdec bench\n\n`{report['command']}` — {report['started']} UTC, {report['duration_s']:.0f} s, "
           f"on `{device}`: target `{args.target}` ({target_dtype}), draft `{args.draft}` ({draft_dtype}); "
           f"HF anchors on the same device in the same dtypes"
-          + (" (the service's draft also runs bf16 copies of its weights for its fewest-row steps: its GEMM "
-             "path below; HF assisted's draft does not)" if "copy" in gemm_paths.get("draft", "") else "")
+          + (" (the service's draft also runs smaller copies of its weights, int4 or bf16, for its fewest-row "
+             "steps: its GEMM path below; HF assisted's draft does not)"
+             if "copy at M=" in gemm_paths.get("draft", "") else "")
           + f"; prompts {', '.join(report['prompts'])}, "
           f"{args.max_new_tokens} new tokens.\n\nMachine: {m['cpu']} ({m['cpus']} cpus; flags {m['flags']}); "
           f"{m['gpu']}; torch {m['torch']}.\n\nGEMM path the workers took (GetInfo): "

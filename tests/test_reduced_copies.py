@@ -1,0 +1,163 @@
+"""The draft's int4 weight copies (linear_path, "reduced") and the startup check of what any reduced
+copy keeps of the draft's distributions (calibration.reduced_overlap). Tiny models on CPU; timings
+are faked where a test needs the copy to win."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec import calibration, linear_path
+from specdec.calibration import calibrate, reduced_overlap
+from specdec.models import load_model
+from specdec.worker_core import WorkerCore
+
+INT4_HERE = {dtype: linear_path.int4_supported(dtype) for dtype in (torch.float32, torch.bfloat16)}
+needs_int4 = pytest.mark.skipif(not all(INT4_HERE.values()), reason=f"ATen's CPU int4 kernel is missing: {INT4_HERE}")
+
+
+def _copy_wins_up_to(rows_won: int) -> Callable[..., dict[str, float]]:
+    """A best_ms that runs every path once and says the reduced copy is 10x faster up to rows_won rows."""
+    def best_ms(runs: dict[str, Callable[[], list[torch.Tensor]]], reps: int, **kwargs: object) -> dict[str, float]:
+        rows = {run()[0].shape[0] for run in runs.values()}.pop()
+        return {path: (0.1 if rows <= rows_won else 5.0) if path == linear_path.REDUCED else 1.0 for path in runs}
+    return best_ms
+
+
+def _copies(model: torch.nn.Module) -> list[linear_path.PathLinear]:
+    return [m for m in model.modules() if isinstance(m, linear_path.PathLinear) and m.reduced is not None]
+
+
+@needs_int4
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int4_product_is_that_of_the_weight_it_stands_for(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(48, 96, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(48, generator=gen).to(dtype)
+    copy, dequantized = linear_path.quantize_int4(weight, dequantized=True)
+    assert dequantized is not None and copy.nbytes < weight.numel() * weight.element_size() / 2
+    # Round to nearest on each group's range in 15 steps: off by at most half a step (and the
+    # products' dtype's rounding of the scale and offset).
+    groups = weight.float().reshape(48, 3, 32)
+    half_step = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 30
+    slack = 4 * torch.finfo(dtype).eps * groups.abs().amax(-1, keepdim=True)
+    assert ((dequantized.reshape(48, 3, 32) - groups).abs() <= half_step + slack).all()
+    for rows in (1, 3, 17):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        y = linear_path.int4_linear(x, copy, bias)
+        expected = F.linear(x, dequantized.to(dtype), bias)
+        error = linear_path.agreement(y, expected, x, dequantized.to(dtype), bias, torch.bfloat16)
+        assert error <= 1.0, (rows, error)
+        # ... and not the product of the weight it was made from, which int4 cannot hold exactly.
+        assert not torch.equal(y, F.linear(x, weight, bias))
+
+
+@needs_int4
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizing_leaves_the_weight_as_it_was_and_blocks_of_rows_pack_as_the_whole(
+        monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """The model keeps its weight for the rows the copy does not take (a float32 weight's .float() is
+    the weight itself: quantising in place on it rewrote the draft). Quantised by blocks of rows (to
+    bound a worker's startup memory), the copy is the one quantised whole."""
+    weight = torch.randn(1040, 64).to(dtype)  # 1040 = 16 x 65: a last block shorter than the kernel's 64 rows
+    before = weight.clone()
+    monkeypatch.setattr(linear_path, "QUANTIZE_ROWS", 3 * 64)
+    blocks, back_blocks = linear_path.quantize_int4(weight, dequantized=True)
+    assert torch.equal(weight, before)
+    monkeypatch.setattr(linear_path, "QUANTIZE_ROWS", 1 << 20)
+    whole, back_whole = linear_path.quantize_int4(weight, dequantized=True)
+    assert torch.equal(weight, before)
+    assert torch.equal(blocks.packed, whole.packed) and torch.equal(blocks.scales_and_zeros, whole.scales_and_zeros)
+    assert back_blocks is not None and back_whole is not None and torch.equal(back_blocks, back_whole)
+
+
+def test_int4_refuses_shapes_its_kernel_cannot_take() -> None:
+    with pytest.raises(ValueError, match="int4"):
+        linear_path.quantize_int4(torch.randn(260, 64))  # 260 outputs: not a multiple of 16
+    with pytest.raises(ValueError, match="int4"):
+        linear_path.quantize_int4(torch.randn(64, 40))  # 40 inputs: not whole groups of 32
+
+
+@needs_int4
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_draft_runs_its_fewest_rows_on_int4_copies_where_they_win(monkeypatch: pytest.MonkeyPatch,
+                                                                     dtype: torch.dtype) -> None:
+    monkeypatch.setattr(linear_path, "best_ms", _copy_wins_up_to(2))
+    model = load_model("tiny:seed=0", dtype).model
+    choice = linear_path.measure(model, max_m=4, budget_s=60, reps=1, allow_packing=False, reduced="int4")
+    copied = {shape for shape, plan in choice.plans.items() if plan.reduced_rows}
+    # Every shape but the 260-word LM head (not a multiple of 16 outputs: no copy, logged).
+    assert copied == {shape for shape in choice.plans if shape[0] != 260}
+    assert all(choice.plans[shape].reduced_rows == 2 and choice.plans[shape].reduced_kind == "int4" for shape in copied)
+    assert "int4 copy at M=1-2" in choice.summary() and "bf16" not in choice.summary()
+    linear_path.apply(model, choice)
+    calls: list[int] = []
+    honest = linear_path.int4_linear
+    monkeypatch.setattr(linear_path, "int4_linear", lambda x, w, b: calls.append(x.numel() // x.shape[-1]) or honest(x, w, b))
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[1]]))
+        assert calls and set(calls) == {1}
+        calls.clear()
+        model(input_ids=torch.tensor([[1, 2, 3]]))  # 3 rows: past the copies
+        assert not calls
+    assert linear_path.reduced_copy_bytes(model) > 0
+
+
+@needs_int4
+def test_an_int4_copy_whose_product_is_off_is_never_chosen(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    honest = linear_path.int4_linear
+    monkeypatch.setattr(linear_path, "int4_linear", lambda x, w, b: honest(x, w, b) * 1.05)
+    monkeypatch.setattr(linear_path, "best_ms", _copy_wins_up_to(16))
+    choice = linear_path.measure(load_model("tiny:seed=0").model, max_m=2, budget_s=60, reps=1,
+                                 allow_packing=False, reduced="int4")
+    assert choice.plans and not any(p.reduced_rows for p in choice.plans.values())
+    assert "never chosen" in caplog.text
+
+
+@needs_int4
+def test_the_overlap_check_sees_copies_that_change_the_distributions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without copies a one-token step and the full forward agree (overlap near 1); copies whose
+    products are noise are caught. The check's forward must run past the copies' rows."""
+    model = load_model("tiny:seed=0").model
+    with torch.inference_mode():
+        assert reduced_overlap(model, 260, copy_rows=0) > 0.99
+    monkeypatch.setattr(linear_path, "best_ms", _copy_wins_up_to(4))
+    choice = linear_path.measure(model, max_m=4, budget_s=60, reps=1, allow_packing=False, reduced="int4")
+    linear_path.apply(model, choice)
+    gen = torch.Generator().manual_seed(3)
+    monkeypatch.setattr(linear_path, "int4_linear",
+                        lambda x, w, b: torch.randn(*x.shape[:-1], w.out_features, generator=gen).to(x.dtype))
+    assert reduced_overlap(model, 260, copy_rows=4) < calibration.MIN_REDUCED_OVERLAP
+    with pytest.raises(ValueError, match="rows"):
+        reduced_overlap(model, 260, copy_rows=48)
+
+
+@needs_int4
+@pytest.mark.parametrize("overlap, kept", [(0.5, False), (0.95, True)])
+def test_calibrate_drops_copies_that_lose_the_draft_s_distributions(monkeypatch: pytest.MonkeyPatch, overlap: float,
+                                                                     kept: bool) -> None:
+    monkeypatch.setattr(linear_path, "best_ms", _copy_wins_up_to(4))
+    checked: list[int] = []
+    monkeypatch.setattr(calibration, "reduced_overlap",
+                        lambda model, vocab, rows: checked.append(rows) or overlap)
+    core = WorkerCore(load_model("tiny:seed=0", torch.bfloat16), "draft")
+    calibrate(core, max_k=3, budget_s=10, reduced="int4")
+    assert checked == [4]
+    assert bool(_copies(core.model)) is kept
+    assert ("int4 copy at M=1-4" in core.gemm_path) is kept
+    assert (f"keep {overlap:.3f}" if kept else f"dropped: {overlap:.3f} overlap") in core.gemm_path
+    # The cost curve is measured on what runs: at the copies' last rows and the next only if kept.
+    assert ({4, 5} <= {t for t, _, _ in core.cost_curve.points}) is kept
+    with torch.inference_mode():
+        core.model(input_ids=torch.tensor([[1]]))  # runs either way
+
+
+@needs_int4
+def test_the_target_never_gets_an_int4_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_path, "best_ms", _copy_wins_up_to(16))
+    target = WorkerCore(load_model("tiny:seed=0"), "target")
+    calibrate(target, max_k=3, budget_s=10, reduced="int4")
+    assert not _copies(target.model) and "int4" not in target.gemm_path
