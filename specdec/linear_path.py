@@ -66,6 +66,10 @@ REDUCED_KINDS = (INT4, BF16)
 REDUCED_DTYPE = torch.bfloat16
 # Inputs per int4 group (one scale and one offset each): a Q4 GGUF's sub-block.
 INT4_GROUP = 32
+# The int4 kernel's activations, scales and output, whatever the draft's dtype: with AVX2 kernels,
+# float32 ones took it to 3-14x F.linear's time, bf16 ones to below the bf16 copy's (on the Zen 4 with
+# ATen, oneDNN and MKL capped at AVX2).
+INT4_PRODUCTS = torch.bfloat16
 # Rows quantised at a time (a multiple of the kernel's 64-row packing).
 QUANTIZE_ROWS = 8192
 # Weight-left must win by this margin: ties go to the library's own kernel.
@@ -137,7 +141,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 class Int4Weight:
     """A weight as 4-bit integers q in groups of `group` inputs: W = (q - 8) * scale + offset per group,
     in ATen's CPU int4 layout (`packed`: [out, in / 2] bytes; `scales_and_zeros`: [in / group, out, 2],
-    in the dtype of the products)."""
+    in INT4_PRODUCTS, the dtype of the products)."""
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
     group: int
@@ -168,8 +172,8 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP,
         scale = ((w.amax(-1, keepdim=True) - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
         q = w.sub_(low).div_(scale).round_().clamp_(0, 15)
         # Stored in the products' dtype, as the kernel reads them: the dequantised weight uses the same values.
-        scale = scale.to(weight.dtype)
-        offset = (low + 8 * scale.float()).to(weight.dtype)
+        scale = scale.to(INT4_PRODUCTS)
+        offset = (low + 8 * scale.float()).to(INT4_PRODUCTS)
         scales_and_zeros.append(torch.stack([scale.squeeze(-1), offset.squeeze(-1)], -1))
         packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             q.to(torch.int32).reshape(rows.shape[0], in_features), 1))
@@ -180,13 +184,13 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP,
 
 
 @functools.cache
-def int4_supported(dtype: torch.dtype) -> bool:
-    """ATen's CPU int4 kernel runs here for products in this dtype (probed once: torch builds differ)."""
+def int4_supported() -> bool:
+    """ATen's CPU int4 kernel runs here (probed once: torch builds differ)."""
     try:
-        weight, _ = quantize_int4(torch.ones(16, INT4_GROUP, dtype=dtype))
-        int4_linear(torch.ones(1, INT4_GROUP, dtype=dtype), weight, None)
+        weight, _ = quantize_int4(torch.ones(16, INT4_GROUP))
+        int4_linear(torch.ones(1, INT4_GROUP), weight, None)
     except (AttributeError, RuntimeError, ValueError) as exc:  # AttributeError: a torch without the ops
-        log.info("int4 weights unavailable for %s: %s", dtype, exc)
+        log.info("int4 weights unavailable: %s", exc)
         return False
     return True
 
@@ -587,7 +591,7 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
         dtype, on_cpu = linears[0].weight.dtype, linears[0].weight.device.type == "cpu"
         kind = reduced if on_cpu and (
             (reduced == BF16 and dtype == torch.float32)
-            or (reduced == INT4 and dtype in (torch.float32, torch.bfloat16) and int4_supported(dtype))) else None
+            or (reduced == INT4 and dtype in (torch.float32, torch.bfloat16) and int4_supported())) else None
         timer = _ShapeTimer(linears, reps, can_pack, kind)
         # Compared at one row, two (a reduced path's GEMM rather than its matrix-vector kernel) and the most.
         checked = tuple(sorted({decode[0], decode[min(1, len(decode) - 1)], decode[-1]}))

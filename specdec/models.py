@@ -116,7 +116,7 @@ def reduced_copy_kind(name: str, role: str, device: torch.device | str = "cpu", 
     if name != "auto" or role != "draft" or torch.device(device).type != "cpu":
         return None
     from specdec import linear_path
-    if int4 and linear_path.int4_supported(resolve_dtype(name, role, device)):
+    if int4 and linear_path.int4_supported():
         return linear_path.INT4
     return None if bf16_is_fast(device) else linear_path.BF16
 

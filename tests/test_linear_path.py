@@ -341,13 +341,13 @@ def test_only_an_auto_cpu_draft_gets_a_reduced_copy_kind(monkeypatch: pytest.Mon
     an explicit dtype or CUDA."""
     from specdec import models
     monkeypatch.setattr(models, "bf16_is_fast", lambda device="cpu": False)
-    monkeypatch.setattr(linear_path, "int4_supported", lambda dtype: True)
+    monkeypatch.setattr(linear_path, "int4_supported", lambda: True)
     assert models.reduced_copy_kind("auto", "draft", "cpu") == "int4"
     assert models.reduced_copy_kind("auto", "draft", "cpu", int4=False) == "bf16"
     assert models.reduced_copy_kind("auto", "target", "cpu") is None  # the target's numerics are the output
     assert models.reduced_copy_kind("float32", "draft", "cpu") is None  # float32 asked for is float32
     assert models.reduced_copy_kind("auto", "draft", "cuda") is None
-    monkeypatch.setattr(linear_path, "int4_supported", lambda dtype: False)  # a torch without the kernel
+    monkeypatch.setattr(linear_path, "int4_supported", lambda: False)  # a torch without the kernel
     assert models.reduced_copy_kind("auto", "draft", "cpu") == "bf16"
     monkeypatch.setattr(models, "bf16_is_fast", lambda device="cpu": True)  # auto gives a bf16 draft there
     assert models.reduced_copy_kind("auto", "draft", "cpu", int4=False) is None
@@ -431,7 +431,7 @@ def test_a_draft_worker_started_with_dtype_auto_passes_the_permission_on(monkeyp
     monkeypatch.setattr(worker_server, "calibrate", fake_calibrate)
     monkeypatch.setattr(models, "bf16_is_fast", lambda device="cpu": False)
     cpu = ["--device", "cpu"]  # auto would be CUDA on a GPU host, where no copy is offered
-    monkeypatch.setattr(linear_path, "int4_supported", lambda dtype: True)
+    monkeypatch.setattr(linear_path, "int4_supported", lambda: True)
     for role, flags, want in (("draft", cpu, "int4"), ("draft", cpu + ["--int4", "off"], "bf16"),
                               ("draft", cpu + ["--dtype", "float32"], None), ("target", cpu, None)):
         parser = argparse.ArgumentParser()
