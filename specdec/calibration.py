@@ -108,7 +108,8 @@ def reduced_overlap(model: torch.nn.Module, vocab_size: int, copy_rows: int, pre
     if prefix + steps <= copy_rows:
         raise ValueError(f"the check's forward of {prefix + steps} rows would run on copies taking up to {copy_rows}")
     device = next(model.parameters()).device
-    ids = torch.randint(0, vocab_size, (1, prefix), generator=torch.Generator().manual_seed(1)).to(device)
+    # From the lower half of the vocabulary: padded vocabularies put their untrained rows at the top.
+    ids = torch.randint(0, max(1, vocab_size // 2), (1, prefix), generator=torch.Generator().manual_seed(1)).to(device)
     cache = new_cache(model)
     token = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax()
     fed, reduced = [], []
@@ -122,11 +123,11 @@ def reduced_overlap(model: torch.nn.Module, vocab_size: int, copy_rows: int, pre
 
 
 def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "auto",
-              reduced: str | None = None) -> None:
+              reduced_kind: str | None = None) -> None:
     """At worker startup: choose the GEMM path (CPU), then measure the cost curve, within budget_s of
     measuring. Swapping the chosen paths in (packing the weights) comes on top: seconds for a 1.5B
     float32 model, more for larger ones. `gemm_path` "library" (--gemm-path) keeps F.linear everywhere,
-    the kernels HF `generate` runs, and gives the whole budget to the cost curve. `reduced`: the kind of
+    the kernels HF `generate` runs, and gives the whole budget to the cost curve. `reduced_kind`: the kind of
     copy (int4, bf16) a draft's few-row products may run on (models.reduced_copy_kind); a draft whose
     copies keep less than MIN_REDUCED_OVERLAP of its distribution (reduced_overlap) runs without them.
 
@@ -148,7 +149,7 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
     else:
         # Row counts for the GEMM path: a session's own steps, and up to 16 rows of batched sessions.
         paths = linear_path.choose_and_apply(core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s / 2,
-                                             reduced=reduced if core.role == "draft" else None)
+                                             reduced_kind=reduced_kind if core.role == "draft" else None)
         core.gemm_path = paths.summary()
         copy_rows = max((plan.reduced_rows for plan in paths.plans.values()), default=0)
         if copy_rows:
@@ -157,12 +158,13 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
             paths.seconds += time.monotonic() - started
             if overlap < MIN_REDUCED_OVERLAP:
                 log.warning("the draft's %s weight copies keep %.3f of its token distributions (under %.2f): "
-                            "running without them", reduced, overlap, MIN_REDUCED_OVERLAP)
+                            "running without them%s", reduced_kind, overlap, MIN_REDUCED_OVERLAP,
+                            " (--int4 off gives a float32 draft bf16 copies instead)" if reduced_kind == "int4" else "")
                 linear_path.drop_reduced(core.model, paths)
-                core.gemm_path = paths.summary() + f" ({reduced} copies dropped: {overlap:.3f} overlap)"
+                core.gemm_path = paths.summary() + f" ({reduced_kind} copies dropped: {overlap:.3f} overlap)"
             else:
-                log.info("the draft's %s weight copies keep %.3f of its token distributions", reduced, overlap)
-                core.gemm_path += f" ({reduced} copies keep {overlap:.3f} of the draft's distributions)"
+                log.info("the draft's %s weight copies keep %.3f of its token distributions", reduced_kind, overlap)
+                core.gemm_path += f" ({reduced_kind} copies keep {overlap:.3f} of the draft's distributions)"
     # The budget bounds measuring. Swapping the chosen paths in (packing, owning the tensors) takes
     # what the model's size and the page cache make it (7.6-12.8 s measured for the 1.5B float32
     # target on 2 Zen 5 cores) and is not charged to the curve: charged, it left the curve little or

@@ -16,9 +16,9 @@ distinct weight shape of its model, the ways below to compute the same product a
   wins, of one of two kinds (`models.reduced_copy_kind`):
   - `int4`: 4-bit weights in groups of INT4_GROUP inputs, each group with its own scale and offset
     (round to nearest), run by ATen's CPU int4 kernel. A quarter of bf16's bytes: on the 2-core Zen 4
-    a bf16 draft's one-token step took 25 ms on it against 53 ms on the best bf16 path, with 0.792
-    greedy agreement with the target against 0.800 (its Q4 GGUF weights quantise back nearly
-    exactly). The copy's products are checked against the dequantised weight, and the whole draft's
+    a bf16 draft's one-token step took 26 ms on it against 55 ms on the best bf16 path, with 0.792
+    greedy agreement with the target against 0.812 (the embedded draft, dequantised from a Q4 GGUF;
+    a draft trained in bf16 may lose more: the startup check below bounds it). The copy's products are checked against the dequantised weight, and the whole draft's
     distributions against its own full-precision ones (calibration.reduced_overlap).
   - `bf16` (a float32 draft where the CPU has no bf16 units, when the int4 kernel is missing or turned
     off): ATen's bf16 matrix-vector kernels read half the bytes, and on AVX2 kernels they took a
@@ -28,13 +28,14 @@ distinct weight shape of its model, the ways below to compute the same product a
   numerics only: the draft proposes, the target decides, so the output is unchanged.
 
 A shape either keeps its dense weight (and picks `linear` or `weight_left` per M) or swaps it for the
-packed one (every M the reduced copy leaves): one float32 copy of the weights, never two. Each timing is one pass over about
+packed one (every M the reduced copy leaves): one copy of the weights in the model's dtype, never two
+(plus the reduced copy where it wins). Each timing is one pass over about
 COLD_BYTES of the shape's weights, so that it never times the cache (a forward reads each weight
 once): whole layers in turn, or, for one layer larger than that (an LM head), a slice of its rows of
 about COLD_BYTES, the time scaled to the whole layer. Before any timing, each path's output is
 compared with F.linear's on the shape's first layer: a path that differs by more than the order of
-a float32 sum and the output's rounding explain (for `reduced`: and its bf16 rounding) is never
-chosen (a WARNING says so). So the float32 paths change only the reduction order (greedy identity is
+a float32 sum and the output's rounding explain (for `reduced`: and its bf16 rounding; an int4 copy
+is compared with F.linear over the dequantised weight it stands for) is never chosen (a WARNING says so). So the float32 paths change only the reduction order (greedy identity is
 checked by the tests and `specdec flips`); the reduced one changes a draft's numerics, never a target's.
 
 Over 300 lines: the paths, how they are timed and the per-shape plan are one measurement, and the
@@ -137,7 +138,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return y.reshape(*x.shape[:-1], out_features)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: no field-wise ==
 class Int4Weight:
     """A weight as 4-bit integers q in groups of `group` inputs: W = (q - 8) * scale + offset per group,
     in ATen's CPU int4 layout (`packed`: [out, in / 2] bytes; `scales_and_zeros`: [in / group, out, 2],
@@ -169,16 +170,18 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP,
         # itself, which this would overwrite): fresh temporaries cost page faults (4x slower in all).
         w = rows.to(torch.float32, copy=True).reshape(rows.shape[0], in_features // group, group)
         low = w.amin(-1, keepdim=True)
-        scale = ((w.amax(-1, keepdim=True) - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-        q = w.sub_(low).div_(scale).round_().clamp_(0, 15)
-        # Stored in the products' dtype, as the kernel reads them: the dequantised weight uses the same values.
-        scale = scale.to(INT4_PRODUCTS)
-        offset = (low + 8 * scale.float()).to(INT4_PRODUCTS)
-        scales_and_zeros.append(torch.stack([scale.squeeze(-1), offset.squeeze(-1)], -1))
+        # Scale and offset as the kernel reads them (INT4_PRODUCTS), and each weight rounded to the
+        # nearest step of that grid: rounded against the unrounded ones, a group far from 0 (its offset
+        # coarse in bf16) lost more than half a step.
+        scale = ((w.amax(-1, keepdim=True) - low) / 15).clamp_min(torch.finfo(INT4_PRODUCTS).tiny)
+        scale = scale.to(INT4_PRODUCTS).float()
+        offset = (low + 8 * scale).to(INT4_PRODUCTS).float()
+        q = w.sub_(offset - 8 * scale).div_(scale).round_().clamp_(0, 15)
+        scales_and_zeros.append(torch.stack([scale.squeeze(-1), offset.squeeze(-1)], -1).to(INT4_PRODUCTS))
         packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             q.to(torch.int32).reshape(rows.shape[0], in_features), 1))
         if dequantized:
-            back.append(q.sub_(8).mul_(scale.float()).add_(offset.float()).reshape(rows.shape[0], in_features))
+            back.append(q.sub_(8).mul_(scale).add_(offset).reshape(rows.shape[0], in_features))
     int4 = Int4Weight(torch.cat(packed), torch.cat(scales_and_zeros).transpose(0, 1).contiguous(), group, out_features)
     return int4, torch.cat(back) if dequantized else None
 
@@ -196,6 +199,8 @@ def int4_supported() -> bool:
 
 
 def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + b on an int4 weight: x rounded to INT4_PRODUCTS, float32 accumulation, the product
+    rounded to INT4_PRODUCTS before the bias and the cast back to x's dtype."""
     rows = x.reshape(-1, x.shape[-1]).to(weight.scales_and_zeros.dtype).contiguous()
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight.packed, weight.group, weight.scales_and_zeros)
     if bias is not None:
@@ -208,7 +213,9 @@ ReducedCopy = tuple["torch.Tensor | Int4Weight", "torch.Tensor | None"]
 
 def _reduced_copy(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> ReducedCopy:
     if kind == INT4:
-        return quantize_int4(weight)[0], None if bias is None else bias.detach()
+        # The bias cloned: a view of the parameter's storage would keep the checkpoint's mapping alive
+        # after models.own_tensors replaced the parameter's data.
+        return quantize_int4(weight)[0], None if bias is None else bias.detach().clone()
     return weight.detach().to(REDUCED_DTYPE), None if bias is None else bias.detach().to(REDUCED_DTYPE)
 
 
@@ -259,7 +266,7 @@ class ShapePlan:
     grid: tuple[int, ...] = ()
     weight_left: tuple[bool, ...] = ()
     reduced_rows: int = 0
-    reduced_kind: str = BF16
+    reduced_kind: str | None = None  # INT4 or BF16 where reduced_rows > 0
 
     def weight_left_at(self, rows: int) -> bool:
         i = bisect.bisect_right(self.grid, rows) - 1
@@ -284,6 +291,9 @@ class PathLinear(torch.nn.Module):
         self.bias = linear.bias
         self.reduced: ReducedCopy | None = None
         if plan.reduced_rows > 0:  # copied before packing drops the dense weight
+            if plan.reduced_kind not in REDUCED_KINDS:
+                raise ValueError(f"a plan with reduced rows needs a kind of copy ({', '.join(REDUCED_KINDS)}), "
+                                 f"got {plan.reduced_kind!r}")
             self.reduced = _reduced_copy(linear.weight, linear.bias, plan.reduced_kind)
         self.packed: torch.Tensor | None = None
         if plan.packed:
@@ -365,11 +375,16 @@ def best_ms(runs: dict[str, Callable[[], object]], reps: int, clock: Callable[[]
         (warm_ups or {}).get(path, run)()  # warm-up: allocations, kernel choice
     best = {path: math.inf for path in runs}
     order = list(runs.items())
+    last = None
     for i in range(max(1, reps)):
-        for path, run in order[i % len(order):] + order[:i % len(order)]:
+        turn = order[i % len(order):] + order[:i % len(order)]
+        if turn[0][0] == last:  # two paths: a path run twice in a row would find its weights in cache
+            turn = turn[1:] + turn[:1]
+        for path, run in turn:
             start = clock()
             run()
             best[path] = min(best[path], clock() - start)
+        last = turn[-1][0]
     return {path: seconds * 1000.0 for path, seconds in best.items()}
 
 
@@ -393,7 +408,7 @@ class _ShapeTimer:
     LM head took 6.9 of its 10.9 s of measuring on a 2-core Zen 4, and its attention projections were
     left untimed, on F.linear.)"""
 
-    def __init__(self, linears: list[torch.nn.Linear], reps: int, can_pack: bool, reduced: str | None = None) -> None:
+    def __init__(self, linears: list[torch.nn.Linear], reps: int, can_pack: bool, reduced_kind: str | None = None) -> None:
         first = linears[0]
         layer_bytes = max(1, first.weight.numel() * first.weight.element_size())
         if layer_bytes > COLD_BYTES:
@@ -408,21 +423,18 @@ class _ShapeTimer:
             self.scale = 1.0 / len(self.linears)
         self.reps = reps
         self.packed = [pack(weight) for weight, _ in self.weights] if can_pack else []
-        self.reduced_kind = reduced
+        self.reduced_kind = reduced_kind
         self.reduced: list[ReducedCopy] = []
-        # What the first (sliced) layer's int4 copy stands for: its products are checked against it.
+        # What the first layer's int4 copy stands for, on the outputs the agreement check compares
+        # (only those: the whole of an LM head's slice, dequantised, is hundreds of MB).
         self.dequantized: torch.Tensor | None = None
-        if reduced:
+        if reduced_kind:
             try:
-                if reduced == INT4:  # the first layer's copy once, with what it stands for
-                    (weight, bias), rest = self.weights[0], self.weights[1:]
-                    copy, self.dequantized = quantize_int4(weight, dequantized=True)
-                    self.reduced = [(copy, None if bias is None else bias.detach())]
-                    self.reduced += [_reduced_copy(weight, bias, reduced) for weight, bias in rest]
-                else:
-                    self.reduced = [_reduced_copy(weight, bias, reduced) for weight, bias in self.weights]
-            except ValueError as exc:
-                log.info("no %s copy for %dx%d: %s", reduced, first.out_features, first.in_features, exc)
+                self.reduced = [_reduced_copy(weight, bias, reduced_kind) for weight, bias in self.weights]
+                if reduced_kind == INT4:  # rows quantise independently: these are the copy's own values
+                    self.dequantized = quantize_int4(self.weights[0][0][:AGREEMENT_OUTPUTS], dequantized=True)[1]
+            except (ValueError, RuntimeError) as exc:  # a shape the kernel refuses: no copy for it
+                log.info("no %s copy for %dx%d: %s", reduced_kind, first.out_features, first.in_features, exc)
                 self.reduced = []
         self.ms: dict[str, dict[int, float]] = ({LINEAR: {}, WEIGHT_LEFT: {}} | ({PACKED: {}} if can_pack else {})
                                                | ({REDUCED: {}} if self.reduced else {}))
@@ -463,10 +475,11 @@ class _ShapeTimer:
                     against = weight[checked] if stands_for is None else stands_for[checked].to(weight.dtype)
                     expected = reference if stands_for is None else F.linear(
                         x, against, None if bias is None else bias[checked])
+                    # The rounding a reduced path applies to its operands and output.
+                    operands = (INT4_PRODUCTS if self.reduced_kind == INT4 else REDUCED_DTYPE) if path == REDUCED else None
                     try:
                         error = agreement(run()[0][..., checked], expected, x, against,
-                                          None if bias is None else bias[checked],
-                                          REDUCED_DTYPE if path == REDUCED else None)
+                                          None if bias is None else bias[checked], operands)
                     except RuntimeError as exc:
                         dropped[path] = f"fails at M={m}: {exc}"
                         continue
@@ -478,6 +491,7 @@ class _ShapeTimer:
             self.packed = []
         if REDUCED in dropped:
             self.reduced = []
+        self.dequantized = None  # checked: its memory goes back before the timings
         return dropped
 
     def time(self, m: int, only: tuple[str, ...] | None = None) -> None:
@@ -531,7 +545,7 @@ def _plan(timer: _ShapeTimer, decode: list[int], prefill: int | None) -> ShapePl
     taken = _reduced_rows(timer, decode, timer.float_ms)
     plan = _float_plan(timer, [m for m in decode if m > taken] or decode, prefill)
     rows = _reduced_rows(timer, decode, lambda m: timer.ms[PACKED][m] if plan.packed else timer.dense_ms(m))
-    return dataclasses.replace(plan, reduced_rows=rows, reduced_kind=timer.reduced_kind or BF16) if rows else plan
+    return dataclasses.replace(plan, reduced_rows=rows, reduced_kind=timer.reduced_kind) if rows else plan
 
 
 def _reduced_rows(timer: _ShapeTimer, decode: list[int], float_ms: Callable[[int], float]) -> int:
@@ -559,14 +573,17 @@ def _float_plan(timer: _ShapeTimer, decode: list[int], prefill: int | None) -> S
 
 def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
             clock: Callable[[], float] = time.monotonic, allow_packing: bool = True,
-            reduced: str | None = None) -> PathChoice:
+            reduced_kind: str | None = None) -> PathChoice:
     """Time the paths for each distinct Linear shape at M = 1..max_m (and a prompt chunk's rows).
-    `reduced`: the kind of copy the reduced path may use (a draft's, never a target's; None: no copy).
+    `reduced_kind`: the kind of copy the reduced path may use (INT4, BF16: a draft's, never a target's;
+    None: no copy).
 
     The end points and the middle (M = 1, the middle of the grid, max_m, the prompt chunk) come
     first: where the packed path wins at all of them, it is taken without timing the rest (a
     shortcut: a dense path winning only between them would go unseen), bar the row counts the
     reduced path may still win (those below the first it lost at)."""
+    if reduced_kind not in (None, *REDUCED_KINDS):
+        raise ValueError(f"reduced_kind must be one of {', '.join(REDUCED_KINDS)} or None, got {reduced_kind!r}")
     started = clock()
     choice = PathChoice()
     by_shape: dict[tuple[int, int], list[torch.nn.Linear]] = {}
@@ -589,9 +606,9 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
                     and not any(lin.weight.data_ptr() in shared for lin in linears))
         # A tied weight may take a reduced copy: that is another format, not a second copy of the same.
         dtype, on_cpu = linears[0].weight.dtype, linears[0].weight.device.type == "cpu"
-        kind = reduced if on_cpu and (
-            (reduced == BF16 and dtype == torch.float32)
-            or (reduced == INT4 and dtype in (torch.float32, torch.bfloat16) and int4_supported())) else None
+        kind = reduced_kind if on_cpu and (
+            (reduced_kind == BF16 and dtype == torch.float32)
+            or (reduced_kind == INT4 and dtype in (torch.float32, torch.bfloat16) and int4_supported())) else None
         timer = _ShapeTimer(linears, reps, can_pack, kind)
         # Compared at one row, two (a reduced path's GEMM rather than its matrix-vector kernel) and the most.
         checked = tuple(sorted({decode[0], decode[min(1, len(decode) - 1)], decode[-1]}))
@@ -614,6 +631,7 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
         timed_decode = [m for m in decode if m in timer.ms[LINEAR] or m in timer.ms.get(REDUCED, {})]
         choice.plans[shape] = _plan(timer, timed_decode, prefill)
         choice.timings[shape] = timer.ms
+        del timer  # its copies and packed weights go before the next shape's are made
     choice.seconds = clock() - started
     return choice
 
@@ -635,6 +653,7 @@ def apply(model: torch.nn.Module, choice: PathChoice) -> int:
 
 
 def reduced_copy_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the reduced copies the model's PathLinears hold (beside their weights)."""
     return sum(_copy_bytes(m.reduced) for m in model.modules() if isinstance(m, PathLinear) and m.reduced)
 
 
@@ -646,17 +665,17 @@ def drop_reduced(model: torch.nn.Module, choice: PathChoice) -> None:
     choice.plans = {shape: dataclasses.replace(plan, reduced_rows=0) for shape, plan in choice.plans.items()}
 
 
-def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float, reduced: str | None = None) -> PathChoice:
+def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float, reduced_kind: str | None = None) -> PathChoice:
     """Measure on this machine and apply; CPU only (GPU GEMMs have no such small-M cliff)."""
     device = next(model.parameters()).device
     if device.type != "cpu" or budget_s <= 0:
         return PathChoice()
-    choice = measure(model, max_m, budget_s, reduced=reduced)
+    choice = measure(model, max_m, budget_s, reduced_kind=reduced_kind)
     started = time.monotonic()
     swapped = apply(model, choice)
     copies = reduced_copy_bytes(model)
     log.info("GEMM path (%.1fs measuring, %.1fs swapping in, %d linears swapped%s): %s", choice.seconds,
              time.monotonic() - started, swapped,
-             f", {reduced} copies {copies / 2**20:.0f} MiB beside the weights" if copies else "",
+             f", {reduced_kind} copies {copies / 2**20:.0f} MiB beside the weights" if copies else "",
              choice.summary())
     return choice

@@ -219,7 +219,7 @@ def test_only_a_shapes_first_timing_warms_up_on_the_whole_pass(monkeypatch: pyte
 def test_the_reduced_path_runs_a_bf16_copy_up_to_its_rows_and_float32_above() -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96)
-    plan = linear_path.ShapePlan(False, (1, 3), (False, True), reduced_rows=2)
+    plan = linear_path.ShapePlan(False, (1, 3), (False, True), reduced_rows=2, reduced_kind="bf16")
     path = linear_path.PathLinear(linear, plan)
     bf16_weight, bf16_bias = linear.weight.bfloat16(), linear.bias.bfloat16()
     for rows in (1, 2):
@@ -238,7 +238,7 @@ def test_a_packed_shape_keeps_its_reduced_copy() -> None:
     if not linear_path.packing_supported(torch.float32):
         pytest.skip("oneDNN packing refuses float32 here")
     linear = torch.nn.Linear(64, 96)
-    path = linear_path.PathLinear(linear, linear_path.ShapePlan(packed=True, reduced_rows=1))
+    path = linear_path.PathLinear(linear, linear_path.ShapePlan(packed=True, reduced_rows=1, reduced_kind="bf16"))
     assert path.weight is None and path.reduced is not None
     x1, x4 = torch.randn(1, 64), torch.randn(4, 64)
     assert torch.equal(path(x1), linear_path.reduced_linear(x1, *path.reduced))
@@ -313,7 +313,7 @@ def test_measure_offers_the_reduced_path_to_float32_weights_only_when_allowed(mo
     assert all(linear_path.REDUCED not in t for t in off.timings.values()) and not any(
         p.reduced_rows for p in off.plans.values())
     timed.clear()
-    on = linear_path.measure(model, max_m=4, budget_s=60, reps=1, allow_packing=False, reduced="bf16")
+    on = linear_path.measure(model, max_m=4, budget_s=60, reps=1, allow_packing=False, reduced_kind="bf16")
     assert on.plans and all(p.reduced_rows == 1 for p in on.plans.values()), on.plans
     assert "bf16 copy at M=1" in on.summary()
     # Timed in the order 1, 3, 4, 64 (the ends), then 2: it lost at 3, so it is not timed at 4 or 64
@@ -322,7 +322,7 @@ def test_measure_offers_the_reduced_path_to_float32_weights_only_when_allowed(mo
     assert {m for m, paths in timed if linear_path.REDUCED in paths} == {1, 2, 3}
     bf16 = load_model("tiny:seed=0", torch.bfloat16).model
     assert all(linear_path.REDUCED not in t for t in linear_path.measure(
-        bf16, max_m=2, budget_s=60, reps=1, allow_packing=False, reduced="bf16").timings.values())
+        bf16, max_m=2, budget_s=60, reps=1, allow_packing=False, reduced_kind="bf16").timings.values())
 
 
 def test_a_reduced_path_off_by_5_percent_is_never_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -330,7 +330,7 @@ def test_a_reduced_path_off_by_5_percent_is_never_chosen(monkeypatch: pytest.Mon
     monkeypatch.setattr(linear_path, "reduced_linear", lambda *args: honest(*args) * 1.05)
     monkeypatch.setattr(linear_path, "best_ms", _favouring(linear_path.REDUCED))
     choice = linear_path.measure(load_model("tiny:seed=0").model, max_m=2, budget_s=60, reps=1,
-                                 allow_packing=False, reduced="bf16")
+                                 allow_packing=False, reduced_kind="bf16")
     assert choice.plans and not any(p.reduced_rows for p in choice.plans.values())
     assert all(linear_path.REDUCED not in t for t in choice.timings.values())
 
@@ -356,7 +356,7 @@ def test_only_an_auto_cpu_draft_gets_a_reduced_copy_kind(monkeypatch: pytest.Mon
 def test_calibrate_passes_the_reduced_rows_permission_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear_path, "best_ms", _favouring(linear_path.REDUCED))
     core = WorkerCore(load_model("tiny:seed=0"), "draft")
-    calibrate(core, max_k=3, budget_s=5, reduced="bf16")
+    calibrate(core, max_k=3, budget_s=5, reduced_kind="bf16")
     reduced = [m for m in _linears(core.model) if isinstance(m, linear_path.PathLinear) and m.plan.reduced_rows]
     assert reduced and "bf16 copy" in core.gemm_path
     core = WorkerCore(load_model("tiny:seed=0"), "draft")
@@ -384,11 +384,17 @@ def test_the_packed_shortcut_still_times_the_rows_the_reduced_path_may_win(monke
     monkeypatch.setattr(linear_path, "best_ms", fake_best_ms)
     monkeypatch.setattr(linear_path._ShapeTimer, "time", recording_time)
     model = load_model("tiny:seed=0").model
-    choice = linear_path.measure(model, max_m=8, budget_s=60, reps=1, reduced="bf16")
+    choice = linear_path.measure(model, max_m=8, budget_s=60, reps=1, reduced_kind="bf16")
     shapes = len(choice.plans)
     assert shapes and all(p.packed and p.reduced_rows == 2 for p in choice.plans.values()), choice.plans
     # Per shape: the ends 1, 4, 8, 64, then 2 and 3 (below the loss at 4), and none of 6.
     assert timed == [1, 4, 8, 64, 2, 3] * shapes
+    # Past the shortcut only packed and the copy were timed (the dense paths lose to packed there
+    # already); the plan and the summary read the rows where F.linear was not timed.
+    for timing in choice.timings.values():
+        assert {2, 3} <= set(timing[linear_path.PACKED]) & set(timing[linear_path.REDUCED])
+        assert not {2, 3} & (set(timing[linear_path.LINEAR]) | set(timing[linear_path.WEIGHT_LEFT]))
+    assert "bf16 copy at M=1-2" in choice.summary() and "x at M=1" in choice.summary()
     timed.clear()
     choice = linear_path.measure(model, max_m=8, budget_s=60, reps=1)
     assert timed == [1, 4, 8, 64] * shapes  # the control: without the reduced path, the ends alone
@@ -403,11 +409,11 @@ def test_calibrate_gives_the_reduced_path_to_a_draft_only_and_measures_its_step(
 
     monkeypatch.setattr(linear_path, "best_ms", fake_best_ms)
     target = WorkerCore(load_model("tiny:seed=0"), "target")
-    calibrate(target, max_k=3, budget_s=30, reduced="bf16")
+    calibrate(target, max_k=3, budget_s=30, reduced_kind="bf16")
     assert "bf16" not in target.gemm_path and not any(
         isinstance(m, linear_path.PathLinear) and m.plan.reduced_rows for m in target.model.modules())
     draft = WorkerCore(load_model("tiny:seed=0"), "draft")
-    calibrate(draft, max_k=3, budget_s=30, reduced="bf16")
+    calibrate(draft, max_k=3, budget_s=30, reduced_kind="bf16")
     assert "bf16 copy at M=1-4" in draft.gemm_path
     assert {1, 2, 4, 5} <= {t for t, _, _ in draft.cost_curve.points}
 
@@ -443,7 +449,7 @@ def test_a_draft_worker_started_with_dtype_auto_passes_the_permission_on(monkeyp
 
 def test_the_summary_names_only_the_weight_left_rows_that_run() -> None:
     """Rows the bf16 copy takes do not run weight-left: the summary must not say they do."""
-    plan = linear_path.ShapePlan(False, (1, 2, 3, 4), (False, True, True, True), reduced_rows=2)
+    plan = linear_path.ShapePlan(False, (1, 2, 3, 4), (False, True, True, True), reduced_rows=2, reduced_kind="bf16")
     assert linear_path.PathChoice({(8, 8): plan}).summary() == "8x8: weight-left at M=3-4, bf16 copy at M=1-2"
 
 
