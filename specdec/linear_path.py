@@ -149,8 +149,8 @@ class Int4Weight:
     out_features: int
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros))
+    def nbytes(self) -> int:  # as a tensor's: _copy_bytes sums either
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
 
 
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP,
@@ -220,7 +220,7 @@ def _reduced_copy(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) ->
 
 
 def _copy_bytes(copy: ReducedCopy) -> int:
-    return sum(t.nbytes if isinstance(t, Int4Weight) else t.numel() * t.element_size() for t in copy if t is not None)
+    return sum(t.nbytes for t in copy if t is not None)
 
 
 def reduced_linear(x: torch.Tensor, weight: "torch.Tensor | Int4Weight", bias: torch.Tensor | None) -> torch.Tensor:

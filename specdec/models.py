@@ -109,7 +109,8 @@ def reduced_copy_kind(name: str, role: str, device: torch.device | str = "cpu", 
     """The kind of smaller weight copy the GEMM path may run a draft's few-row products on (linear_path,
     "reduced"), or None. Only a CPU draft under `--dtype auto`: never the target (its numerics are the
     output) and never an explicit dtype (float32 asked for is float32). `int4` (`--int4 auto`), where
-    ATen's CPU int4 kernel runs for the draft's dtype: a quarter of bf16's bytes per one-token step.
+    ATen's CPU int4 kernel runs (its products are bf16 whatever the draft's dtype): a quarter of bf16's
+    bytes per one-token step.
     Else, for a draft `auto` keeps in float32 (no native bf16), a bf16 copy: ATen's bf16 matrix-vector
     kernels still read half the bytes there, while its bf16 GEMMs are slow for prompts and batches,
     which stay float32."""
