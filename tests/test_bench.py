@@ -81,3 +81,29 @@ def test_the_machine_description_says_when_kernels_are_restricted(monkeypatch: p
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     flags = describe_machine()["flags"]
     assert "kernels restricted: ONEDNN_MAX_CPU_ISA=AVX2" in flags and "torch runs" in flags
+
+
+def test_bench_repeats_and_a_system_selection(tmp_path: Path) -> None:
+    """`--repeats 2 --systems ...`: each pass has its own seeds and figures, the selection runs in the
+    mode asked for (k = 3 is greedy-only by default) beside the k = 0 reference, and the report gives
+    the adaptive policy against the best fixed k per repeat."""
+    result = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--smoke", "--modes", "sampled",
+                             "--repeats", "2", "--systems", r"fixed k=[34]$|cost \(server", "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    names = {"target-only (service, k=0)", "service fixed k=3", "service fixed k=4", "service cost (server config)"}
+    assert {r["system"] for r in report["runs"]} == names
+    assert {r["mode"] for r in report["runs"]} == {"sampled"}
+    per_pass = {(r["system"], r["prompt"], r["repeat"]) for r in report["runs"]}
+    assert len(per_pass) == len(report["runs"]) == len(names) * len(report["prompts"]) * 2
+    spread = report["summaries"][0]["repeats"]
+    assert spread["repeats"] == 2 and set(spread["geomean_by_repeat"]) == names
+    versus = spread["adaptive_vs_best_fixed"]
+    assert versus["best_fixed"] in ("service fixed k=3", "service fixed k=4")
+    assert len(versus["ratio_by_repeat"]) == 2 and all(x > 0 for x in versus["ratio_by_repeat"])
+    md = (tmp_path / "report.md").read_text()
+    assert "| repeat 1 | repeat 2 | max / min |" in md and "Adaptive (service cost) against the best fixed k" in md
+    # Two passes over the same prompts sample differently: their own seeds.
+    k4 = {(r["prompt"], r["repeat"]): r["token_ids"] for r in report["runs"] if r["system"] == "service fixed k=4"}
+    assert any(k4[p, 0] != k4[p, 1] for p in report["prompts"])

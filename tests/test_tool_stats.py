@@ -153,6 +153,49 @@ def test_round_outcomes_pair_each_k_with_its_own_accepted_count() -> None:
         _round_outcomes(_run("service fixed k=8", [8, 2], [1, 1], 2))
 
 
+def _timed(system: str, prompt: str, repeat: int, tok_s: float) -> Any:
+    from specdec.tools.bench import Run
+    return Run(system, "sampled", prompt, tokens=48, wall_s=48 / tok_s, token_ids=[], repeat=repeat)
+
+
+def test_repeats_give_each_pass_its_own_figure_and_compare_adaptive_with_the_best_fixed_k() -> None:
+    from specdec.tools.bench import BASELINE, repeat_spread, summarize
+    categories = {"c1": "code", "c2": "code", "s1": "story"}
+    runs = []
+    for repeat, (k2, k4, cost) in enumerate([(2.0, 3.0, 2.7), (2.0, 2.4, 2.7)]):
+        for prompt in categories:
+            runs.append(_timed(BASELINE, prompt, repeat, 1.0 if prompt != "s1" else 2.0))
+            runs.append(_timed("service fixed k=2", prompt, repeat, k2))
+            runs.append(_timed("service fixed k=4", prompt, repeat, k4))
+            runs.append(_timed("service cost (server config)", prompt, repeat, cost))
+    spread = repeat_spread(runs, "sampled", categories)
+    assert spread["reference"] == BASELINE and spread["repeats"] == 2
+    # Per repeat: per category (code: c1, c2 alike; story: half, its reference being 2 tok/s), then over them.
+    assert spread["geomean_by_repeat"]["service fixed k=4"] == pytest.approx([3.0 / 2 ** 0.5, 2.4 / 2 ** 0.5])
+    assert spread["geomean_by_repeat"][BASELINE] == pytest.approx([1.0, 1.0])
+    versus = spread["adaptive_vs_best_fixed"]
+    assert versus["best_fixed"] == "service fixed k=4"  # best on the mean of the repeats (k=2: 2.0 in both)
+    assert versus["ratio_by_repeat"] == pytest.approx([0.9, 1.125])
+    assert versus["spread_between_repeats"] == pytest.approx(0.25)  # k=4 moved 3.0 -> 2.4
+    # Runs of a repeat are divided by the reference of the same repeat, never of another one.
+    slower_pass = [_timed(BASELINE, "c1", 0, 1.0), _timed("service fixed k=2", "c1", 0, 2.0),
+                   _timed(BASELINE, "c1", 1, 0.5), _timed("service fixed k=2", "c1", 1, 1.0)]
+    rows = {r["system"]: r for r in summarize(slower_pass, "sampled", None, categories)["rows"]}
+    assert rows["service fixed k=2"]["speedup_vs_target_only"] == pytest.approx(2.0)  # 2.0 and 2.0, not 1.0 / 4.0
+    one_pass = [r for r in runs if r.repeat == 0]
+    assert "adaptive_vs_best_fixed" not in repeat_spread(one_pass, "sampled", categories)  # no noise measured
+
+
+def test_a_system_selection_keeps_the_reference_and_runs_in_every_mode() -> None:
+    from specdec.tools.bench import BASELINE, select_systems, systems
+    chosen = select_systems(systems(), r"fixed k=[36]$|cost \(server")
+    assert [s.name for s in chosen] == [BASELINE, "service fixed k=3", "service fixed k=6",
+                                        "service cost (server config)"]
+    assert all(s.modes == ("greedy", "sampled") for s in chosen)  # k = 3 and 6 are greedy-only by default
+    with pytest.raises(ValueError, match="matches none"):
+        select_systems(systems(), "no such system")
+
+
 # ----------------------------------------------------------------------------- traces, simulator, tune
 
 def _trace(round_: int, k: int, drafted: int, draft_ms: float, verify_ms: float, round_ms: float) -> Any:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import platform
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -66,6 +68,19 @@ def systems(all_in_both_modes: bool = False) -> list[System]:
     return out
 
 
+BASELINE = "target-only (service, k=0)"  # every summary's per-prompt reference; always run
+
+
+def select_systems(plan: list[System], pattern: str) -> list[System]:
+    """The systems whose name matches `pattern` (a regular expression, searched), in both modes (a
+    selection is explicit), plus the service's k = 0, which every summary is taken against."""
+    chosen = [System(x.name, x.kind, x.speculation, x.hf, x.fixed_k, ("greedy", "sampled"))
+              for x in plan if x.name == BASELINE or re.search(pattern, x.name)]
+    if len(chosen) < 2:
+        raise ValueError(f"--systems {pattern!r} matches none of: {', '.join(x.name for x in plan)}")
+    return chosen
+
+
 @dataclass
 class Run:
     system: str
@@ -89,6 +104,7 @@ class Run:
     target_forwards: int = 0
     draft_forwards: int = 0
     accepted_per_round: list[int] = field(default_factory=list)  # in k_per_round's order
+    repeat: int = 0  # which pass over the prompts (`--repeats`): its own sampling seeds
 
     @property
     def tokens_per_s(self) -> float:
@@ -182,14 +198,18 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def summarize(runs: list[Run], mode: str, plan: list[System] | None = None) -> dict[str, Any]:
+def summarize(runs: list[Run], mode: str, plan: list[System] | None = None,
+              categories: dict[str, str] | None = None) -> dict[str, Any]:
     by_system: dict[str, list[Run]] = {}
     for r in runs:
         if r.mode == mode:
             by_system.setdefault(r.system, []).append(r)
-    baseline = {r.prompt: r for r in by_system.get("target-only (service, k=0)", [])}
-    anchor = {r.prompt: r for r in by_system.get("HF assisted (default)", [])}
-    hf_plain = {r.prompt: r for r in by_system.get("target-only (HF in-process)", [])}
+
+    def keyed(name: str) -> dict[tuple[str, int], Run]:  # one run per (prompt, repeat)
+        return {(r.prompt, r.repeat): r for r in by_system.get(name, [])}
+    baseline = keyed(BASELINE)
+    anchor = keyed("HF assisted (default)")
+    hf_plain = keyed("target-only (HF in-process)")
     # c and a measured in this run: target ms/token from k=0 compute, draft ms/drafted token,
     # per-token acceptance pooled over the fixed-k service runs.
     t_target = _median([r.verify_ms / r.tokens for r in baseline.values() if r.tokens])
@@ -204,8 +224,10 @@ def summarize(runs: list[Run], mode: str, plan: list[System] | None = None) -> d
     systems_by_name = {s.name: s for s in (plan or systems())}
     for name, rs in by_system.items():
         tps = [r.tokens_per_s for r in rs]
-        speedups = [r.tokens_per_s / baseline[r.prompt].tokens_per_s for r in rs if r.prompt in baseline]
-        vs_anchor = [r.tokens_per_s / anchor[r.prompt].tokens_per_s for r in rs if r.prompt in anchor]
+        speedups = [r.tokens_per_s / baseline[r.prompt, r.repeat].tokens_per_s for r in rs
+                    if (r.prompt, r.repeat) in baseline]
+        vs_anchor = [r.tokens_per_s / anchor[r.prompt, r.repeat].tokens_per_s for r in rs
+                     if (r.prompt, r.repeat) in anchor]
         tokens = sum(r.tokens for r in rs)
         rounds = sum(r.rounds for r in rs)
         drafted = sum(r.drafted for r in rs)
@@ -221,11 +243,13 @@ def summarize(runs: list[Run], mode: str, plan: list[System] | None = None) -> d
             bound = max(speedup_bound(a, kk, c) for kk in range(0, 9))
         identical = None
         if mode == "greedy" and hf_plain:
-            identical = all(r.token_ids == hf_plain[r.prompt].token_ids for r in rs if r.prompt in hf_plain)
+            identical = all(r.token_ids == hf_plain[r.prompt, r.repeat].token_ids for r in rs
+                            if (r.prompt, r.repeat) in hf_plain)
         rows.append({
             "system": name, "prompts": len(rs),
             "tok_s_median": _median(tps), "tok_s_min": min(tps), "tok_s_max": max(tps),
-            "speedup_vs_target_only": _median(speedups), "ratio_vs_hf_assisted": _median(vs_anchor),
+            "speedup_vs_target_only": _median(speedups) if speedups else None,
+            "ratio_vs_hf_assisted": _median(vs_anchor) if vs_anchor else None,
             "acceptance": acc / drafted if drafted else None,
             "accepted_per_round": acc / rounds if rounds else 0.0,
             "target_forwards_per_token": sum(r.target_forwards for r in rs) / tokens if tokens else 0.0,
@@ -242,7 +266,52 @@ def summarize(runs: list[Run], mode: str, plan: list[System] | None = None) -> d
             "bound_fraction": (_median(speedups) / bound) if bound and speedups else None,
             "identical_to_target_only": identical,
         })
-    return {"mode": mode, "a": a, "c": c, "t_target_ms": t_target, "t_draft_ms": t_draft, "rows": rows}
+    return {"mode": mode, "a": a, "c": c, "t_target_ms": t_target, "t_draft_ms": t_draft, "rows": rows,
+            "repeats": repeat_spread(runs, mode, categories or {})}
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def repeat_spread(runs: list[Run], mode: str, categories: dict[str, str]) -> dict[str, Any] | None:
+    """Per system and per repeat (`--repeats`), the issue's figure: tok/s over target-only's on the
+    same prompt and repeat, as a geometric mean per category (`categories`: prompt -> category; a
+    prompt of its own where absent), then over the categories. With two or more repeats, the adaptive
+    policy against the best fixed k: their ratio per repeat, beside the spread of each system's
+    figure between repeats (the noise a single run's comparison sits in). Reference: HF's in-process
+    target-only where the run has it, else the service at k = 0."""
+    mine = [r for r in runs if r.mode == mode and r.tokens and r.wall_s]
+    names = {r.system for r in mine}
+    reference = "target-only (HF in-process)" if "target-only (HF in-process)" in names else BASELINE
+    ref = {(r.prompt, r.repeat): r.tokens_per_s for r in mine if r.system == reference}
+    repeats = sorted({r.repeat for r in mine})
+    if not ref or not repeats:
+        return None
+    per_system: dict[str, list[float | None]] = {}
+    for name in sorted(names):
+        figures: list[float | None] = []
+        for repeat in repeats:
+            by_category: dict[str, list[float]] = {}
+            for r in mine:
+                if r.system == name and r.repeat == repeat and (r.prompt, repeat) in ref:
+                    by_category.setdefault(categories.get(r.prompt, r.prompt), []).append(
+                        r.tokens_per_s / ref[r.prompt, repeat])
+            figures.append(_geomean([_geomean(v) for v in by_category.values()]) if by_category else None)
+        per_system[name] = figures
+    out: dict[str, Any] = {"reference": reference, "repeats": len(repeats), "geomean_by_repeat": per_system}
+    fixed = {n: f for n, f in per_system.items() if n.startswith("service fixed") and None not in f}
+    adaptive = per_system.get("service cost (server config)")
+    if len(repeats) >= 2 and fixed and adaptive and None not in adaptive:
+        best = max(fixed, key=lambda n: _geomean(fixed[n]))  # best on the mean of the repeats
+        ratios = [a / b for a, b in zip(adaptive, fixed[best])]
+        out["adaptive_vs_best_fixed"] = {
+            "best_fixed": best, "ratio_by_repeat": ratios, "ratio_mean": _geomean(ratios),
+            # The noise: how far one system's figure moves between repeats (max / min - 1), at most over
+            # the fixed-k systems, whose k is the same in every repeat.
+            "spread_between_repeats": max(max(f) / min(f) - 1.0 for f in fixed.values()),
+        }
+    return out
 
 
 def _round_outcomes(run: Run) -> list[tuple[int, int]]:
@@ -255,12 +324,12 @@ def _round_outcomes(run: Run) -> list[tuple[int, int]]:
 
 
 def markdown(summary: dict[str, Any]) -> str:
-    def f(x: Any, spec: str = ".2f") -> str:
+    def f(x: Any, spec: str = ".2f", unit: str = "") -> str:
         if x is None:
             return "–"
         if isinstance(x, bool):
             return "yes" if x else "NO"
-        return format(x, spec)
+        return format(x, spec) + unit
     lines = [f"### {summary['mode']}",
              "",
              f"Measured in this run: a = {summary['a']:.3f} (per-token acceptance, fixed-k runs), "
@@ -273,12 +342,31 @@ def markdown(summary: dict[str, Any]) -> str:
     for r in summary["rows"]:
         lines.append(
             f"| {r['system']} | {r['tok_s_median']:.2f} ({r['tok_s_min']:.2f}–{r['tok_s_max']:.2f}) "
-            f"| {f(r['speedup_vs_target_only'])}x | {f(r['ratio_vs_hf_assisted'])}x | {f(r['acceptance'], '.1%')} "
+            f"| {f(r['speedup_vs_target_only'], '.2f', 'x')} | {f(r['ratio_vs_hf_assisted'], '.2f', 'x')} "
+            f"| {f(r['acceptance'], '.1%')} "
             f"| {r['accepted_per_round']:.2f} | {r['target_forwards_per_token']:.2f} "
             f"| {r['bytes_per_round_to_draft']:.0f}/{r['bytes_per_round_from_draft']:.0f}/"
             f"{r['bytes_per_round_to_target']:.0f}/{r['bytes_per_round_from_target']:.0f} | {r['bytes_per_token']:.0f} "
             f"| {r['draft_ms_share']:.0%}/{r['verify_ms_share']:.0%} | {f(r['overhead_ms_per_round'])} "
             f"| {f(r['leviathan_bound'])} | {f(r['bound_fraction'], '.0%')} | {f(r['identical_to_target_only'])} |")
+    spread = summary.get("repeats")
+    if spread and spread["repeats"] >= 2:
+        n = spread["repeats"]
+        lines += ["", f"Per repeat (each a pass over the prompts with its own seeds): tok/s over "
+                  f"{spread['reference']}'s on the same prompt and repeat, geometric mean per category, then over "
+                  "the categories.", "",
+                  "| system | " + " | ".join(f"repeat {i + 1}" for i in range(n)) + " | max / min |",
+                  "|---|" + "---|" * (n + 1)]
+        for name, figures in spread["geomean_by_repeat"].items():
+            known = [x for x in figures if x is not None]
+            lines.append(f"| {name} | " + " | ".join(f(x, ".2f", "x") for x in figures)
+                         + f" | {f(max(known) / min(known) if known else None, '.3f')} |")
+        versus = spread.get("adaptive_vs_best_fixed")
+        if versus:
+            lines += ["", f"Adaptive (service cost) against the best fixed k on the repeats' mean "
+                      f"({versus['best_fixed']}): " + ", ".join(f"{x:.3f}" for x in versus["ratio_by_repeat"])
+                      + f" per repeat, {versus['ratio_mean']:.3f} over all; a fixed k's figure moved by up to "
+                      f"{versus['spread_between_repeats']:.1%} between repeats."]
     return "\n".join(lines) + "\n"
 
 
@@ -333,7 +421,7 @@ def plots(summaries: list[dict[str, Any]], runs: list[Run], out_dir: Path) -> li
 # ----------------------------------------------------------------------------- main
 
 async def _run_all(address: str, hf: HFRunner, prompts: list[dict], modes: list[str], max_new: int,
-                   progress: Any, plan: list[System]) -> list[Run]:
+                   progress: Any, plan: list[System], repeats: int = 1) -> list[Run]:
     import grpc
     from specdec.v1 import orchestrator_pb2_grpc
     runs: list[Run] = []
@@ -341,22 +429,28 @@ async def _run_all(address: str, hf: HFRunner, prompts: list[dict], modes: list[
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         # Warm-up: page in every model's weights before anything is timed.
         warm = prompts[0]["ids"]
-        await service_run(stub, plan[0], "greedy", "warmup", warm, 4, 0)
-        await service_run(stub, plan[5], "greedy", "warmup", warm, 4, 0)
-        hf.run(plan[2], "greedy", "warmup", warm, 4, 0)
+        warm_systems = [s for s in plan if s.kind == "service" and s.fixed_k != 0][:1]
+        for system in [s for s in plan if s.name == BASELINE] + warm_systems:
+            await service_run(stub, system, "greedy", "warmup", warm, 4, 0)
+        hf.run(System("warm-up", "hf-assisted"), "greedy", "warmup", warm, 4, 0)
         for mode in modes:
             active = [s for s in plan if mode in s.modes]
-            for p_index, prompt in enumerate(prompts):
-                rotation = p_index % len(active)
-                for system in active[rotation:] + active[:rotation]:
-                    seed = 1000 + p_index
-                    if system.kind == "service":
-                        run = await service_run(stub, system, mode, prompt["id"], prompt["ids"], max_new, seed)
-                    else:
-                        run = await asyncio.to_thread(hf.run, system, mode, prompt["id"], prompt["ids"], max_new, seed)
-                    runs.append(run)
-                    progress.set_postfix_str(f"{mode} {prompt['id']} {system.name}: {run.tokens_per_s:.2f} tok/s")
-                    progress.update(1)
+            # Each repeat is a whole pass over the prompts with its own seeds (repeat 0: the seeds a
+            # single run has always used), so the passes' spread is the run-to-run noise.
+            for repeat in range(repeats):
+                for p_index, prompt in enumerate(prompts):
+                    rotation = (p_index + repeat) % len(active)
+                    for system in active[rotation:] + active[:rotation]:
+                        seed = 1000 + p_index + 1000 * repeat
+                        if system.kind == "service":
+                            run = await service_run(stub, system, mode, prompt["id"], prompt["ids"], max_new, seed)
+                        else:
+                            run = await asyncio.to_thread(hf.run, system, mode, prompt["id"], prompt["ids"],
+                                                          max_new, seed)
+                        run.repeat = repeat
+                        runs.append(run)
+                        progress.set_postfix_str(f"{mode} {prompt['id']} {system.name}: {run.tokens_per_s:.2f} tok/s")
+                        progress.update(1)
     return runs
 
 
@@ -381,6 +475,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny random models, 3 prompts, 12 tokens (CI)")
     parser.add_argument("--all-systems", action="store_true", help="every system in both modes (default: a "
                         "subset in sampled mode)")
+    parser.add_argument("--systems", help="only the systems whose name matches this regular expression, in "
+                        "every mode of --modes (the service at k = 0, the summaries' reference, always runs)")
+    parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts, each with its own "
+                        "sampling seeds; the report gives each pass's figures and their spread (the noise)")
     args = parser.parse_args(argv)
 
     from tqdm import tqdm
@@ -414,16 +512,24 @@ def main(argv: list[str] | None = None) -> None:
     print(f"bench: on {device}, target {args.target} ({target_dtype}), draft {args.draft} ({draft_dtype}), "
           f"{len(chosen)} prompts, {args.max_new_tokens} new tokens, modes {modes}, config {config}")
     hf = HFRunner(args.target, args.draft, target_dtype, draft_dtype, device)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     plan = systems(args.all_systems)
-    total = sum(len(chosen) for mode in modes for s in plan if mode in s.modes)
+    if args.systems:
+        try:
+            plan = select_systems(plan, args.systems)
+        except (ValueError, re.error) as exc:
+            parser.error(str(exc))
+    total = args.repeats * sum(len(chosen) for mode in modes for s in plan if mode in s.modes)
     orch_args = ["--log-level", "WARNING", "--max-k", "8"] + (["--config", config] if config else [])
     started = time.time()
     worker_args = ["--device", str(device), "--dtype", args.dtype]
     with local_services(args.target, args.draft, 0, orch_args, worker_args=worker_args,
                         logs_dir=out_dir / "logs") as address, tqdm(total=total, unit="run") as progress:
-        runs = asyncio.run(_run_all(address, hf, chosen, modes, args.max_new_tokens, progress, plan))
+        runs = asyncio.run(_run_all(address, hf, chosen, modes, args.max_new_tokens, progress, plan, args.repeats))
         gemm_paths = worker_gemm_paths(out_dir / "logs")
-    summaries = [summarize(runs, mode, plan) for mode in modes]
+    categories = {p["id"]: p.get("category", p["id"]) for p in chosen}
+    summaries = [summarize(runs, mode, plan, categories) for mode in modes]
     report = {
         "command": "specdec bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
