@@ -103,6 +103,10 @@ class SpeculationConfig:
     guard_rounds_per_session: int = field(default=4, metadata=_doc(
         "Pair guard: every epoch also counts at least this many rounds per round in flight at once on "
         "the pair (32 at 8 streams), so that a short epoch is more than one batched step (0 = off)."))
+    guard_cut_loss: float = field(default=0.25, metadata=_doc(
+        "Pair guard: a speculating probe (target-only leading) that trails target-only's rate by this "
+        "fraction once it has counted half its rounds ends there, lost (0 = off). Target-only epochs are "
+        "never cut short."))
     heuristic_initial_k: int = field(default=4, metadata=_doc("First k of the `heuristic` policy."))
     probe_every: int = field(default=16, metadata=_doc(
         "`cost` policy: after this many target-only rounds, draft one token to re-measure acceptance "
@@ -173,7 +177,8 @@ class SpeculationConfig:
 
     def guard_settings(self) -> GuardSettings:
         return GuardSettings(spec_rounds=self.guard_spec_rounds, off_rounds=self.guard_off_rounds,
-                             margin=self.guard_margin, rounds_per_session=self.guard_rounds_per_session)
+                             margin=self.guard_margin, rounds_per_session=self.guard_rounds_per_session,
+                             cut_loss=self.guard_cut_loss)
 
     def with_override(self, override: SpeculationOverride) -> "SpeculationConfig":
         """A request's view of the config. Precedence: request fixed_k > request fields > server."""

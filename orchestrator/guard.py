@@ -14,6 +14,9 @@ mode re-measure it. The winner's epochs last 4x the time of the other's, doubled
 confirms it (up to 4 x `max_stretch`), and long enough that the loser's epochs cost about
 MEASUREMENT_COST of the throughput: a clear winner is re-checked ever more rarely.
 
+A speculating probe that trails target-only by GuardSettings.cut_loss (25 %) at half its rounds
+ends there (`_probe_clearly_lost`); target-only epochs never end early (target-only is the safe mode).
+
 How many rounds an epoch needs grows with the pair's concurrency: at least rounds_per_session (4)
 per round in flight at once, so that at 8 streams a target-only probe is not one batched step, whose
 rate a single neighbour's prompt chunk in the batch decides (seen on a 2-core CPU: one such probe measured
@@ -123,6 +126,7 @@ class GuardSettings:
     margin: float = 0.03    # the other mode must win by this fraction to flip the decision
     max_stretch: int = 16   # the winner's epochs last 4x the other mode's last epoch, x2 per confirmation, up to 4x this
     rounds_per_session: int = 4  # an epoch counts at least this many rounds per round in flight at once (0: off)
+    cut_loss: float = 0.25  # a speculating probe this far behind target-only at half its rounds ends there (0: off)
 
     def validate(self) -> "GuardSettings":
         counts = (self.spec_rounds, self.off_rounds, self.max_stretch)
@@ -133,6 +137,8 @@ class GuardSettings:
             raise ValueError(f"guard rounds_per_session must be an integer >= 0, got {per_session!r}")
         if not 0.0 <= self.margin < 1.0:  # also rejects NaN
             raise ValueError(f"guard margin must be in [0, 1), got {self.margin}")
+        if not 0.0 <= self.cut_loss < 1.0:
+            raise ValueError(f"guard cut_loss must be in [0, 1), got {self.cut_loss}")
         return self
 
 
@@ -416,6 +422,27 @@ class PairGuard:
         self._ms += round_ms
         if self._counted >= self.needed_rounds and self._ms >= self._needed_ms:
             self._end_epoch()
+        elif self._probe_clearly_lost():
+            log.info("pair %s: speculating probe cut at %d of %d rounds, %.2f tok/s per session against "
+                     "target-only's %.2f", self.name, self._counted, self.needed_rounds,
+                     self._tokens / self._ms * 1000.0, self.rates[TARGET_ONLY] * 1000.0)
+            # The winner's next epoch is sized on the probe it would have been (_length): probes come
+            # as often as uncut ones would, and each costs half.
+            self._end_epoch(as_ms=self._ms * self.needed_rounds / self._counted)
+
+    def _probe_clearly_lost(self) -> bool:
+        """A speculating probe (target-only leads, or holds provisionally after a rise in load) that
+        has counted half its rounds and whose steady rate so far trails target-only's by `cut_loss`
+        or more: it has lost, and the rest of it would only add to what the probe costs (loadtest,
+        2-core Zen 4, 8 streams: a 20 s probe at 2.17 tok/s per session against 3.49 cost its block
+        15 %). It ends there and the comparison runs on what it counted. One way only: a target-only
+        epoch is never cut, as target-only is the safe mode, and a wrong cut here costs speculation's
+        gain, never more than target-only's rate. Steady rates only: a turn's first round costs more
+        speculating than target-only, so the per-turn comparison can only widen such a loss."""
+        off, cut = self.rates[TARGET_ONLY], self.settings.cut_loss
+        return (cut > 0.0 and self.mode == SPECULATE and not self.speculation_wins and off is not None
+                and self._ms > 0.0 and 2 * self._counted >= self.needed_rounds
+                and self._tokens / self._ms < off * (1.0 - cut))
 
     @property
     def turn_tokens(self) -> float | None:
@@ -478,9 +505,10 @@ class PairGuard:
             factor = max(factor, max(0.0, 1.0 - lost / won) / MEASUREMENT_COST)
         return min(factor, 4.0 * self.settings.max_stretch) * last_ms[loser]
 
-    def _end_epoch(self) -> None:
+    def _end_epoch(self, as_ms: float | None = None) -> None:
+        """`as_ms`: the counted ms the epoch counts as in the sizing of later ones (a cut probe's)."""
         self.rates[self.mode] = self._tokens / self._ms
-        self._last_ms[self.mode] = self._ms
+        self._last_ms[self.mode] = self._ms if as_ms is None else as_ms
         measured = self.mode != self.winner  # the short epoch of the other mode just ended
         if measured:
             self._decide()

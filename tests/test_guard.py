@@ -66,6 +66,40 @@ def test_where_target_only_wins_the_pair_stops_speculating_after_one_measurement
     assert 0 < spec_ms / (spec_ms + off_ms) < MEASUREMENT_COST / 0.25, (spec_ms, off_ms)
 
 
+def test_a_speculating_probe_that_clearly_loses_ends_at_half_its_rounds() -> None:
+    """A probe of speculation while target-only leads ends once it has counted half its rounds and
+    trails by guard cut_loss (25 %) or more; the comparison runs on what it counted."""
+    def probe_lengths(spec_ms: float, cut_loss: float) -> list[int]:
+        # max_stretch 1: target-only holds 4x the last probe, so that many probes come in the rounds played
+        guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8, max_stretch=1, cut_loss=cut_loss))
+        ks = play(guard, 6000, spec_round=(3, spec_ms), off_round=(1, 50.0))
+        assert not guard.speculation_wins and guard.flips == 1  # every probe confirmed the loss
+        runs, n = [], 0
+        for k in ks + [0]:
+            if k:
+                n += 1
+            elif n:
+                runs, n = runs + [n], 0
+        return runs if ks[-1] == 0 else runs[:-1]  # not one that the end of play cut
+    # 7.5 tok/s against 20: the first epoch is speculation's own as the pair's winner, never cut (32);
+    # every probe after it is, at 16 of its 32 rounds.
+    lost, uncut = probe_lengths(400.0, 0.25), probe_lengths(400.0, 0.0)  # cut_loss 0: off
+    assert lost[0] == 32 and len(lost) > 3 and set(lost[1:]) == {16}, lost
+    assert uncut[0] == 32 and set(uncut[1:]) == {32}
+    # Target-only holds as long after a cut probe as after an uncut one (sized on the probe it would
+    # have been): probes come as often and cost half.
+    assert len(lost) == len(uncut), (lost, uncut)
+    # 15 against 20 tok/s is 25 % behind, not more: a full probe (as is 21 % behind).
+    assert set(probe_lengths(200.0, 0.25)[1:]) == {32}
+    assert set(probe_lengths(190.0, 0.25)[1:]) == {32}
+
+
+def test_a_target_only_epoch_is_never_cut_short_however_far_behind() -> None:
+    guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+    ks = play(guard, 400, spec_round=(3, 50.0), off_round=(1, 500.0))  # target-only at a tenth of speculating
+    assert ks[:48] == [4] * 32 + [0] * 8 + [4] * 8 and guard.speculation_wins
+
+
 def play_turns(guard: PairGuard, turns: int, turn_tokens: int, spec_round: tuple[int, float],
                off_round: tuple[int, float], spec_first: tuple[int, float, float], off_first_ms: float) -> list[int]:
     """One session, turn after turn of `turn_tokens` tokens. A turn's first round makes, speculating,
@@ -327,13 +361,14 @@ def test_a_shift_in_load_starts_a_new_comparison_instead_of_holding_the_old_deci
     assert guard.speculation_wins and guard.streak >= 3 and guard.load_restarts == 0
     # Eight sessions at once: drafting now costs everyone (7.5 against 16.7 tok/s). The long epoch
     # is cut short at the batch's third decision: both modes are measured again at this load,
-    # target-only first after a rise, then speculating, 4 + 4 batches (32 rounds each: 4 per session
-    # in flight), and target-only stays, not the old decision for the rest of its epoch.
+    # target-only first after a rise (4 batches: 32 rounds, 4 per session in flight), then
+    # speculating, whose probe is cut at half (2 batches: 55 % behind), and target-only stays, not the
+    # old decision for the rest of its epoch.
     modes = play_batched(guard, 12, 8, spec_round=(3, 400.0), off_round=(1, 60.0))
     assert guard.load_restarts == 1 and not guard.speculation_wins and guard.decisions >= 1
     assert guard.flips == 1  # from speculating; the provisional target-only after the rise was no decision
     # The restart's first batch is not clean (two of its rounds speculate, decided before the restart).
-    assert modes == [TARGET_ONLY] * 5 + [SPECULATE] * 4 + [TARGET_ONLY] * 3
+    assert modes == [TARGET_ONLY] * 5 + [SPECULATE] * 2 + [TARGET_ONLY] * 5
     # Back to one session: after LOAD_WINDOW decisions at the lower load, the decision taken at one
     # session before comes back (no decision, no flip), and the next measurement confirms it.
     decisions = guard.decisions
