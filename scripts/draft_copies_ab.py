@@ -21,11 +21,11 @@ from specdec import models, linear_path
 from specdec.worker_core import WorkerCore
 from specdec.calibration import calibrate
 torch.set_num_threads(2)
-kind = models.reduced_copy_kind('auto', 'draft', 'cpu', int4=os.environ.get('INT4', 'auto') == 'auto')
+kinds = models.reduced_copy_kinds('auto', 'draft', 'cpu', int4=os.environ.get('INT4', 'auto') == 'auto')
 dtype = models.resolve_dtype('auto', 'draft')
-print('capability', torch.backends.cpu.get_cpu_capability(), 'draft dtype', dtype, 'copy kind', kind)
+print('capability', torch.backends.cpu.get_cpu_capability(), 'draft dtype', dtype, 'copy kinds', kinds)
 core = WorkerCore(models.load_model('embedded:qwen2.5-coder-0.5b', dtype=dtype), 'draft')
-calibrate(core, 8, 20.0, reduced=kind)
+calibrate(core, 8, 20.0, reduced_kind=kinds)
 print('GEMM path:', core.gemm_path)
 model = core.model
 mods = [m for m in model.modules() if isinstance(m, linear_path.PathLinear)]

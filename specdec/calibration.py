@@ -123,13 +123,15 @@ def reduced_overlap(model: torch.nn.Module, vocab_size: int, copy_rows: int, pre
 
 
 def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "auto",
-              reduced_kind: str | None = None) -> None:
+              reduced_kind: str | tuple[str, ...] | None = None) -> None:
     """At worker startup: choose the GEMM path (CPU), then measure the cost curve, within budget_s of
     measuring. Swapping the chosen paths in (packing the weights) comes on top: seconds for a 1.5B
     float32 model, more for larger ones. `gemm_path` "library" (--gemm-path) keeps F.linear everywhere,
     the kernels HF `generate` runs, and gives the whole budget to the cost curve. `reduced_kind`: the kind of
-    copy (int4, bf16) a draft's few-row products may run on (models.reduced_copy_kind); a draft whose
-    copies keep less than MIN_REDUCED_OVERLAP of its distribution (reduced_overlap) runs without them.
+    copy (int4, bf16) a draft's few-row products may run on, or several in order of preference
+    (models.reduced_copy_kinds); copies that keep less than MIN_REDUCED_OVERLAP of the draft's
+    distributions (reduced_overlap) are dropped and the next kind is measured (with half the budget
+    again), else the draft runs without copies.
 
     The draft forwards 1 token per drafting step and up to 2 on catch-up; the target verifies up to
     max_k + 1. Contexts: a short and a longer prompt, the second only as far as the budget allows.
@@ -141,6 +143,7 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
         raise ValueError(f"gemm_path must be one of {', '.join(GEMM_PATHS)}, got {gemm_path!r}")
     if budget_s <= 0:
         return
+    kinds = (reduced_kind,) if isinstance(reduced_kind, str) else tuple(reduced_kind or ())
     max_tokens = 2 if core.role == "draft" else max_k + 1
     if gemm_path == "library":
         paths = linear_path.PathChoice()
@@ -148,23 +151,14 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
         log.info("GEMM path: %s", core.gemm_path)
     else:
         # Row counts for the GEMM path: a session's own steps, and up to 16 rows of batched sessions.
-        paths = linear_path.choose_and_apply(core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s / 2,
-                                             reduced_kind=reduced_kind if core.role == "draft" else None)
+        # The draft's copies, kind by kind, until one keeps enough of its distributions (reduced_overlap).
+        paths = linear_path.choose_and_apply(
+            core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s / 2,
+            reduced_kinds=kinds if core.role == "draft" else (),
+            check=lambda rows: reduced_overlap(core.model, core.vocab_size, rows), min_score=MIN_REDUCED_OVERLAP)
         core.gemm_path = paths.summary()
-        copy_rows = max((plan.reduced_rows for plan in paths.plans.values()), default=0)
-        if copy_rows:
-            started = time.monotonic()
-            overlap = reduced_overlap(core.model, core.vocab_size, copy_rows)
-            paths.seconds += time.monotonic() - started
-            if overlap < MIN_REDUCED_OVERLAP:
-                log.warning("the draft's %s weight copies keep %.3f of its token distributions (under %.2f): "
-                            "running without them%s", reduced_kind, overlap, MIN_REDUCED_OVERLAP,
-                            " (--int4 off gives a float32 draft bf16 copies instead)" if reduced_kind == "int4" else "")
-                linear_path.drop_reduced(core.model, paths)
-                core.gemm_path = paths.summary() + f" ({reduced_kind} copies dropped: {overlap:.3f} overlap)"
-            else:
-                log.info("the draft's %s weight copies keep %.3f of its token distributions", reduced_kind, overlap)
-                core.gemm_path += f" ({reduced_kind} copies keep {overlap:.3f} of the draft's distributions)"
+        if paths.copy_checks and not any(kept for _, _, kept in paths.copy_checks):
+            log.warning("the draft runs without weight copies: %s", core.gemm_path)
     # The budget bounds measuring. Swapping the chosen paths in (packing, owning the tensors) takes
     # what the model's size and the page cache make it (7.6-12.8 s measured for the 1.5B float32
     # target on 2 Zen 5 cores) and is not charged to the curve: charged, it left the curve little or

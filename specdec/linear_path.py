@@ -13,7 +13,7 @@ distinct weight shape of its model, the ways below to compute the same product a
   to 16 and 1.5-3.5x faster than either dense path for the float32 target.
 
 - `reduced` (a draft only, never a target): a smaller copy of the weight, for the row counts where it
-  wins, of one of two kinds (`models.reduced_copy_kind`):
+  wins, of one of two kinds (`models.reduced_copy_kinds`, in order of preference):
   - `int4`: 4-bit weights in groups of INT4_GROUP inputs, each group with its own scale and offset
     (round to nearest), run by ATen's CPU int4 kernel. A quarter of bf16's bytes: on the 2-core Zen 4
     a bf16 draft's one-token step took 26 ms on it against 55 ms on the best bf16 path, with 0.792
@@ -21,7 +21,8 @@ distinct weight shape of its model, the ways below to compute the same product a
     a draft trained in bf16 may lose more: the startup check below bounds it). The copy's products are checked against the dequantised weight, and the whole draft's
     distributions against its own full-precision ones (calibration.reduced_overlap).
   - `bf16` (a float32 draft where the CPU has no bf16 units, when the int4 kernel is missing or turned
-    off): ATen's bf16 matrix-vector kernels read half the bytes, and on AVX2 kernels they took a
+    off, or the int4 copies failed the distribution check: choose_and_apply measures the next kind):
+    ATen's bf16 matrix-vector kernels read half the bytes, and on AVX2 kernels they took a
     draft's one-token linears 2.5-3.5x below the best float32 path.
   Either loses from a few rows on (at a prompt chunk's 64 rows bf16 was 4x slower), so only a prefix
   of row counts (1, 2, ...) takes the copy. Costs the copy beside the weights, and changes the draft's
@@ -45,13 +46,14 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -307,11 +309,6 @@ class PathLinear(torch.nn.Module):
             raise RuntimeError("a packed or reduced PathLinear cannot be moved or cast: do that before linear_path.apply")
         return super()._apply(fn, recurse)
 
-    def drop_reduced(self) -> None:
-        """Run every row count on the plan's other path (the copy failed the model's check)."""
-        self.reduced = None
-        self.plan = dataclasses.replace(self.plan, reduced_rows=0)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.reduced is not None and x.numel() // self.in_features <= self.plan.reduced_rows:
             return reduced_linear(x, *self.reduced)
@@ -329,8 +326,15 @@ class PathChoice:
     timings: dict[tuple[int, int], dict[str, dict[int, float]]] = field(default_factory=dict)
     seconds: float = 0.0
     complete: bool = True
+    # Each kind of copy checked (choose_and_apply's `check`), in order: (kind, score, kept).
+    copy_checks: list[tuple[str, float, bool]] = field(default_factory=list)
 
     def summary(self) -> str:
+        return self._plans_text() + "".join(
+            f" ({kind} copies keep {score:.3f} of the draft's distributions)" if kept
+            else f" ({kind} copies dropped: {score:.3f} overlap)" for kind, score, kept in self.copy_checks)
+
+    def _plans_text(self) -> str:
         if not self.plans:
             return "F.linear everywhere (" + ("measurement skipped)" if self.complete else "budget ran out)")
         parts = []
@@ -657,25 +661,86 @@ def reduced_copy_bytes(model: torch.nn.Module) -> int:
     return sum(_copy_bytes(m.reduced) for m in model.modules() if isinstance(m, PathLinear) and m.reduced)
 
 
-def drop_reduced(model: torch.nn.Module, choice: PathChoice) -> None:
-    """Every shape runs its other path at every row count: the copies failed the model's check."""
-    for module in model.modules():
-        if isinstance(module, PathLinear):
-            module.drop_reduced()
-    choice.plans = {shape: dataclasses.replace(plan, reduced_rows=0) for shape, plan in choice.plans.items()}
+def without_reduced(choice: PathChoice) -> PathChoice:
+    """The same choice with no copies: every shape runs its other path at every row count."""
+    return dataclasses.replace(choice, plans={shape: dataclasses.replace(plan, reduced_rows=0, reduced_kind=None)
+                                              for shape, plan in choice.plans.items()})
 
 
-def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float, reduced_kind: str | None = None) -> PathChoice:
-    """Measure on this machine and apply; CPU only (GPU GEMMs have no such small-M cliff)."""
+def copy_rows(choice: PathChoice) -> int:
+    """The most rows any shape runs on a reduced copy (0: no copies)."""
+    return max((plan.reduced_rows for plan in choice.plans.values()), default=0)
+
+
+@contextlib.contextmanager
+def copies_only(model: torch.nn.Module, choice: PathChoice) -> Iterator[None]:
+    """Within: the choice's reduced copies swapped in alone, every other product on the model's own
+    nn.Linear weights (F.linear), which stay as they are; on exit the nn.Linears come back. What a
+    check of the copies needs before `apply` packs weights for good (packing drops the dense weight
+    that another kind of copy would be made from)."""
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Linear]] = []
+    try:
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                plan = choice.plans.get((child.out_features, child.in_features)) if type(child) is torch.nn.Linear else None
+                if plan is not None and plan.reduced_rows:
+                    setattr(parent, name, PathLinear(child, ShapePlan(reduced_rows=plan.reduced_rows,
+                                                                      reduced_kind=plan.reduced_kind)))
+                    swapped.append((parent, name, child))
+        yield
+    finally:
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
+
+
+def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float, reduced_kinds: tuple[str, ...] = (),
+                     check: Callable[[int], float] | None = None, min_score: float = 0.0) -> PathChoice:
+    """Measure on this machine and apply; CPU only (GPU GEMMs have no such small-M cliff).
+
+    `reduced_kinds`: the kinds of copy the reduced path may use, in order of preference (a draft's;
+    models.reduced_copy_kinds). Each is measured in turn, until one is kept: where the plan gives
+    copies and `check` is given, check(rows of the copies) runs with the copies alone swapped in
+    (copies_only); a score below `min_score` drops them (a WARNING) and the next kind is measured,
+    with a budget of its own (so a fallback can double the time measuring takes). Where no kind
+    keeps copies, the plan of the first measurement without its copies is applied."""
     device = next(model.parameters()).device
     if device.type != "cpu" or budget_s <= 0:
         return PathChoice()
-    choice = measure(model, max_m, budget_s, reduced_kind=reduced_kind)
+    checks: list[tuple[str, float, bool]] = []
+    seconds, first = 0.0, None
+    for kind in reduced_kinds or (None,):
+        choice = measure(model, max_m, budget_s, reduced_kind=kind)
+        seconds += choice.seconds
+        first = choice if first is None else first
+        rows = copy_rows(choice)
+        if not rows or check is None:
+            break  # no copies to check, or none asked for
+        started = time.monotonic()
+        with copies_only(model, choice):
+            score = check(rows)
+        seconds += time.monotonic() - started
+        kept = score >= min_score
+        checks.append((kind, score, kept))
+        if kept:
+            log.info("the %s weight copies keep %.3f of the model's token distributions", kind, score)
+            break
+        log.warning("the %s weight copies keep %.3f of the model's token distributions (under %.2f): %s", kind, score,
+                    min_score, "running without them" if kind == (reduced_kinds or (None,))[-1]
+                    else "measuring the next kind of copy")
+    else:
+        choice = without_reduced(first)  # every kind dropped: the first plan, without its copies
+    if choice is not first and first is not None:
+        # A later kind's measurement that ran out of budget: the shapes it did not reach keep the
+        # first measurement's plan, without its copies (packed where that won), not F.linear.
+        for shape, plan in without_reduced(first).plans.items():
+            if shape not in choice.plans:
+                choice.plans[shape], choice.timings[shape] = plan, first.timings[shape]
+        choice.complete = first.complete
+    choice.seconds, choice.copy_checks = seconds, checks
     started = time.monotonic()
     swapped = apply(model, choice)
     copies = reduced_copy_bytes(model)
     log.info("GEMM path (%.1fs measuring, %.1fs swapping in, %d linears swapped%s): %s", choice.seconds,
              time.monotonic() - started, swapped,
-             f", {reduced_kind} copies {copies / 2**20:.0f} MiB beside the weights" if copies else "",
-             choice.summary())
+             f", copies {copies / 2**20:.0f} MiB beside the weights" if copies else "", choice.summary())
     return choice

@@ -105,21 +105,23 @@ def resolve_dtype(name: str, role: str, device: torch.device | str = "cpu") -> t
     return DTYPES[name]
 
 
-def reduced_copy_kind(name: str, role: str, device: torch.device | str = "cpu", int4: bool = True) -> str | None:
-    """The kind of smaller weight copy the GEMM path may run a draft's few-row products on (linear_path,
-    "reduced"), or None. Only a CPU draft under `--dtype auto`: never the target (its numerics are the
-    output) and never an explicit dtype (float32 asked for is float32). `int4` (`--int4 auto`), where
-    ATen's CPU int4 kernel runs (its products are bf16 whatever the draft's dtype): a quarter of bf16's
-    bytes per one-token step.
-    Else, for a draft `auto` keeps in float32 (no native bf16), a bf16 copy: ATen's bf16 matrix-vector
-    kernels still read half the bytes there, while its bf16 GEMMs are slow for prompts and batches,
-    which stay float32."""
+def reduced_copy_kinds(name: str, role: str, device: torch.device | str = "cpu", int4: bool = True) -> tuple[str, ...]:
+    """The kinds of smaller weight copy the GEMM path may run a draft's few-row products on (linear_path,
+    "reduced"), in order of preference: calibration measures the first, and the next only where the
+    copies of the one before kept too little of the draft's distributions. Only a CPU draft under
+    `--dtype auto`: never the target (its numerics are the output) and never an explicit dtype
+    (float32 asked for is float32).
+    - int4 (`--int4 auto`), where ATen's CPU int4 kernel runs (its products are bf16 whatever the
+      draft's dtype): a quarter of bf16's bytes per one-token step.
+    - bf16, for a draft `auto` keeps in float32 (no native bf16): ATen's bf16 matrix-vector kernels
+      still read half the bytes there, while its bf16 GEMMs are slow for prompts and batches, which
+      stay float32. After int4 where both apply: bf16 rounding keeps more of a distribution than
+      4-bit levels (a draft trained in bf16 may lose more to int4 than the embedded one)."""
     if name != "auto" or role != "draft" or torch.device(device).type != "cpu":
-        return None
+        return ()
     from specdec import linear_path
-    if int4 and linear_path.int4_supported():
-        return linear_path.INT4
-    return None if bf16_is_fast(device) else linear_path.BF16
+    kinds = (linear_path.INT4,) if int4 and linear_path.int4_supported() else ()
+    return kinds if bf16_is_fast(device) else kinds + (linear_path.BF16,)
 
 
 def resolve_device(name: str = "auto") -> torch.device:

@@ -220,7 +220,7 @@ def store_limits(args: argparse.Namespace) -> StoreLimits:
 async def serve_worker(args: argparse.Namespace, role: str,
                        make_servicer: Callable[[WorkerCore, BatchLimits], WorkerServicerBase],
                        register: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
-    from specdec.models import load_model, reduced_copy_kind, resolve_device, resolve_dtype, set_torch_threads
+    from specdec.models import load_model, reduced_copy_kinds, resolve_device, resolve_dtype, set_torch_threads
     check_worker_flags(args)
     set_torch_threads(args.threads)
     device = resolve_device(args.device)
@@ -229,7 +229,7 @@ async def serve_worker(args: argparse.Namespace, role: str,
     loaded = await asyncio.to_thread(load_model, args.model, dtype, str(device))
     core = WorkerCore(loaded, role, store_limits(args))
     await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s, args.gemm_path,
-                            reduced_copy_kind(args.dtype, role, device, int4=args.int4 == "auto"))
+                            reduced_copy_kinds(args.dtype, role, device, int4=args.int4 == "auto"))
     servicer = make_servicer(core, batch_limits(args, core.cost_curve, role))
     credentials = None
     if args.tls_cert and args.tls_key:

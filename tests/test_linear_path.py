@@ -335,22 +335,24 @@ def test_a_reduced_path_off_by_5_percent_is_never_chosen(monkeypatch: pytest.Mon
     assert all(linear_path.REDUCED not in t for t in choice.timings.values())
 
 
-def test_only_an_auto_cpu_draft_gets_a_reduced_copy_kind(monkeypatch: pytest.MonkeyPatch) -> None:
-    """int4 for a CPU draft under --dtype auto where the kernel runs; with --int4 off, bf16 for a draft
-    auto keeps in float32 (no native bf16) and nothing where auto gives a bf16 draft. Never the target,
-    an explicit dtype or CUDA."""
+def test_only_an_auto_cpu_draft_gets_reduced_copy_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int4 for a CPU draft under --dtype auto where the kernel runs, then bf16 for a draft auto keeps
+    in float32 (no native bf16); nothing else where auto gives a bf16 draft. Never the target, an
+    explicit dtype or CUDA."""
     from specdec import models
     monkeypatch.setattr(models, "bf16_is_fast", lambda device="cpu": False)
     monkeypatch.setattr(linear_path, "int4_supported", lambda: True)
-    assert models.reduced_copy_kind("auto", "draft", "cpu") == "int4"
-    assert models.reduced_copy_kind("auto", "draft", "cpu", int4=False) == "bf16"
-    assert models.reduced_copy_kind("auto", "target", "cpu") is None  # the target's numerics are the output
-    assert models.reduced_copy_kind("float32", "draft", "cpu") is None  # float32 asked for is float32
-    assert models.reduced_copy_kind("auto", "draft", "cuda") is None
+    assert models.reduced_copy_kinds("auto", "draft", "cpu") == ("int4", "bf16")  # bf16: if int4 is dropped
+    assert models.reduced_copy_kinds("auto", "draft", "cpu", int4=False) == ("bf16",)
+    assert models.reduced_copy_kinds("auto", "target", "cpu") == ()  # the target's numerics are the output
+    assert models.reduced_copy_kinds("float32", "draft", "cpu") == ()  # float32 asked for is float32
+    assert models.reduced_copy_kinds("auto", "draft", "cuda") == ()
     monkeypatch.setattr(linear_path, "int4_supported", lambda: False)  # a torch without the kernel
-    assert models.reduced_copy_kind("auto", "draft", "cpu") == "bf16"
+    assert models.reduced_copy_kinds("auto", "draft", "cpu") == ("bf16",)
     monkeypatch.setattr(models, "bf16_is_fast", lambda device="cpu": True)  # auto gives a bf16 draft there
-    assert models.reduced_copy_kind("auto", "draft", "cpu", int4=False) is None
+    assert models.reduced_copy_kinds("auto", "draft", "cpu") == ()
+    monkeypatch.setattr(linear_path, "int4_supported", lambda: True)
+    assert models.reduced_copy_kinds("auto", "draft", "cpu") == ("int4",)
 
 
 def test_calibrate_passes_the_reduced_rows_permission_on(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -419,18 +421,19 @@ def test_calibrate_gives_the_reduced_path_to_a_draft_only_and_measures_its_step(
 
 
 def test_a_draft_worker_started_with_dtype_auto_passes_the_permission_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """serve_worker asks models.reduced_copy_kind with the worker's own --dtype, --int4, role and device."""
+    """serve_worker asks models.reduced_copy_kinds with the worker's own --dtype, --int4, role and device."""
     import argparse
     import asyncio
 
     from specdec import models, worker_server
 
-    seen: list[str | None] = []
+    seen: list[tuple[str, ...]] = []
 
     class Stop(Exception):
         pass
 
-    def fake_calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str, reduced: str | None) -> None:
+    def fake_calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str,
+                       reduced: tuple[str, ...]) -> None:
         seen.append(reduced)
         raise Stop
 
@@ -438,8 +441,8 @@ def test_a_draft_worker_started_with_dtype_auto_passes_the_permission_on(monkeyp
     monkeypatch.setattr(models, "bf16_is_fast", lambda device="cpu": False)
     cpu = ["--device", "cpu"]  # auto would be CUDA on a GPU host, where no copy is offered
     monkeypatch.setattr(linear_path, "int4_supported", lambda: True)
-    for role, flags, want in (("draft", cpu, "int4"), ("draft", cpu + ["--int4", "off"], "bf16"),
-                              ("draft", cpu + ["--dtype", "float32"], None), ("target", cpu, None)):
+    for role, flags, want in (("draft", cpu, ("int4", "bf16")), ("draft", cpu + ["--int4", "off"], ("bf16",)),
+                              ("draft", cpu + ["--dtype", "float32"], ()), ("target", cpu, ())):
         parser = argparse.ArgumentParser()
         worker_server.add_worker_args(parser, "tiny:seed=0")
         with pytest.raises(Stop):

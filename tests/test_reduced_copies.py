@@ -194,3 +194,88 @@ def test_calibrate_drops_honest_int4_copies_of_a_random_weight_draft(monkeypatch
     core = WorkerCore(load_model("tiny:seed=0"), "draft")
     calibrate(core, max_k=3, budget_s=10, reduced_kind="int4")
     assert not _copies(core.model) and "int4 copies dropped" in core.gemm_path
+
+
+@needs_int4
+def test_a_float32_draft_whose_int4_copies_fail_the_check_measures_bf16_copies_next(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The fallback a float32 draft on a CPU without native bf16 gets (models.reduced_copy_kinds):
+    honest int4 copies of the random-weight draft fail the unpatched check, and bf16 copies, measured
+    next, keep enough and run."""
+    monkeypatch.setattr(linear_path, "best_ms", _copy_wins_up_to(4))
+    core = WorkerCore(load_model("tiny:seed=0"), "draft")
+    with caplog.at_level("WARNING", logger="specdec.linear_path"):
+        calibrate(core, max_k=3, budget_s=10, reduced_kind=("int4", "bf16"))
+    copies = _copies(core.model)
+    assert copies and all(m.reduced[0].dtype == torch.bfloat16 and m.plan.reduced_kind == "bf16" for m in copies)
+    assert "int4 copies dropped" in core.gemm_path and "bf16 copies keep" in core.gemm_path
+    assert "bf16 copy at M=1-4" in core.gemm_path and "int4 copy" not in core.gemm_path
+    assert "measuring the next kind of copy" in caplog.text
+    bf16_steps: list[int] = []
+    honest = linear_path.reduced_linear
+    monkeypatch.setattr(linear_path, "reduced_linear",
+                        lambda x, w, b: bf16_steps.append(w.dtype == torch.bfloat16) or honest(x, w, b))
+    with torch.inference_mode():
+        core.model(input_ids=torch.tensor([[1]]))
+    assert bf16_steps and all(bf16_steps)
+
+
+@needs_int4
+def test_when_every_kind_of_copy_fails_the_draft_runs_its_first_plan_without_copies(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(linear_path, "best_ms", _copy_wins_up_to(4))
+    checked: list[int] = []
+    monkeypatch.setattr(calibration, "reduced_overlap", lambda model, vocab, rows: checked.append(rows) or 0.5)
+    core = WorkerCore(load_model("tiny:seed=0"), "draft")
+    with caplog.at_level("WARNING"):
+        calibrate(core, max_k=3, budget_s=10, reduced_kind=("int4", "bf16"))
+    assert checked == [4, 4] and not _copies(core.model)
+    assert "int4 copies dropped: 0.500" in core.gemm_path and "bf16 copies dropped: 0.500" in core.gemm_path
+    assert "the draft runs without weight copies" in caplog.text and "running without them" in caplog.text
+    with torch.inference_mode():
+        core.model(input_ids=torch.tensor([[1]]))
+
+
+def test_copies_only_swaps_the_copies_in_alone_and_puts_the_linears_back() -> None:
+    model = load_model("tiny:seed=0").model
+    linears = {name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    choice = linear_path.measure(model, max_m=2, budget_s=60, reps=1, allow_packing=False)
+    shape = next(iter(choice.plans))
+    choice.plans[shape] = linear_path.ShapePlan(packed=True, reduced_rows=2, reduced_kind="bf16")
+    with pytest.raises(RuntimeError, match="inside"):
+        with linear_path.copies_only(model, choice):
+            inside = {name: m for name, m in model.named_modules() if isinstance(m, linear_path.PathLinear)}
+            assert inside and all((m.in_features, m.out_features)[::-1] == shape for m in inside.values())
+            # Only the copy: the rest of the plan (packing here) is not applied, the weight stays dense.
+            assert all(m.reduced is not None and m.packed is None and m.weight is linears[name].weight
+                       for name, m in inside.items())
+            raise RuntimeError("inside")
+    assert {name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear} == linears
+
+
+def test_a_later_kind_measured_only_in_part_keeps_the_first_plan_for_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fallback measurement that ran out of budget: the shapes it did not reach keep the first
+    measurement's plan (without its copies), not F.linear."""
+    honest = linear_path.measure
+
+    def measure(model: torch.nn.Module, max_m: int, budget_s: float, **kwargs: object) -> linear_path.PathChoice:
+        choice = honest(model, max_m, budget_s, reps=1, allow_packing=False, **kwargs)
+        for shape in list(choice.plans):
+            choice.plans[shape] = linear_path.ShapePlan(grid=(1,), weight_left=(kwargs["reduced_kind"] == "int4",),
+                                                        reduced_rows=2, reduced_kind=kwargs["reduced_kind"])
+        if kwargs["reduced_kind"] == "bf16":  # ran out after its first shape
+            first = next(iter(choice.plans))
+            choice.plans, choice.complete = {first: choice.plans[first]}, False
+        return choice
+    monkeypatch.setattr(linear_path, "measure", measure)
+    model = load_model("tiny:seed=0,vocab=272").model  # every shape fits int4 groups
+    scores = [0.5, 0.95]  # int4's, then bf16's
+    choice = linear_path.choose_and_apply(model, 2, 10.0, reduced_kinds=("int4", "bf16"),
+                                          check=lambda rows: scores.pop(0), min_score=0.9)
+    assert [(kind, kept) for kind, _, kept in choice.copy_checks] == [("int4", False), ("bf16", True)]
+    reached = [shape for shape, plan in choice.plans.items() if plan.reduced_rows]
+    assert len(reached) == 1 and choice.plans[reached[0]].reduced_kind == "bf16"
+    rest = [plan for shape, plan in choice.plans.items() if shape not in reached]
+    assert rest and all(plan.weight_left == (True,) and not plan.reduced_rows for plan in rest)  # the int4 measurement's
+    assert choice.complete  # as far as the first measurement went
+
