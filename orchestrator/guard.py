@@ -428,21 +428,27 @@ class PairGuard:
                      self._tokens / self._ms * 1000.0, self.rates[TARGET_ONLY] * 1000.0)
             # The winner's next epoch is sized on the probe it would have been (_length): probes come
             # as often as uncut ones would, and each costs half.
-            self._end_epoch(as_ms=self._ms * self.needed_rounds / self._counted)
+            self._end_epoch(as_ms=self._ms * self.needed_rounds / self._counted, cut=True)
 
     def _probe_clearly_lost(self) -> bool:
         """A speculating probe (target-only leads, or holds provisionally after a rise in load) that
-        has counted half its rounds and whose steady rate so far trails target-only's by `cut_loss`
-        or more: it has lost, and the rest of it would only add to what the probe costs (loadtest,
+        has counted half its rounds and whose rate so far trails target-only's by `cut_loss` or more,
+        on the comparison the decision will make (`compared_rates`: per turn once first rounds are
+        known): it has lost, and the rest of it would only add to what the probe costs (loadtest,
         2-core Zen 4, 8 streams: a 20 s probe at 2.17 tok/s per session against 3.49 cost its block
-        15 %). It ends there and the comparison runs on what it counted. One way only: a target-only
-        epoch is never cut, as target-only is the safe mode, and a wrong cut here costs speculation's
-        gain, never more than target-only's rate. Steady rates only: a turn's first round costs more
-        speculating than target-only, so the per-turn comparison can only widen such a loss."""
+        15 %). It ends there and the comparison runs on what it counted, but does not count as a
+        confirmation of target-only (`_decide`): half a probe at 8 streams is two batched steps, and
+        a cut made on their noise should not also lengthen the next hold. One way only: a
+        target-only epoch is never cut, as target-only is the safe mode, and a wrong cut here costs
+        speculation's gain, never more than target-only's rate."""
         off, cut = self.rates[TARGET_ONLY], self.settings.cut_loss
-        return (cut > 0.0 and self.mode == SPECULATE and not self.speculation_wins and off is not None
-                and self._ms > 0.0 and 2 * self._counted >= self.needed_rounds
-                and self._tokens / self._ms < off * (1.0 - cut))
+        if (cut <= 0.0 or self.mode != SPECULATE or self.speculation_wins or off is None or self._ms <= 0.0
+                or 2 * self._counted < self.needed_rounds):
+            return False
+        spec, length = self._tokens / self._ms, self.turn_tokens
+        if length is not None and self.first_rounds.turns >= MIN_FIRST_ROUNDS:
+            spec, off = per_turn_rates(spec, off, length, self.first_rounds) or (spec, off)
+        return spec < off * (1.0 - cut)
 
     @property
     def turn_tokens(self) -> float | None:
@@ -505,13 +511,14 @@ class PairGuard:
             factor = max(factor, max(0.0, 1.0 - lost / won) / MEASUREMENT_COST)
         return min(factor, 4.0 * self.settings.max_stretch) * last_ms[loser]
 
-    def _end_epoch(self, as_ms: float | None = None) -> None:
-        """`as_ms`: the counted ms the epoch counts as in the sizing of later ones (a cut probe's)."""
+    def _end_epoch(self, as_ms: float | None = None, cut: bool = False) -> None:
+        """`as_ms`: the counted ms the epoch counts as in the sizing of later ones; `cut`: a probe
+        ended early (_probe_clearly_lost)."""
         self.rates[self.mode] = self._tokens / self._ms
         self._last_ms[self.mode] = self._ms if as_ms is None else as_ms
         measured = self.mode != self.winner  # the short epoch of the other mode just ended
         if measured:
-            self._decide()
+            self._decide(confirms=not cut)
         # After a measurement the winner runs; after the winner's epoch, the other mode measures.
         self._begin_epoch(self.winner if measured else (TARGET_ONLY if self.mode == SPECULATE else SPECULATE))
 
@@ -529,7 +536,9 @@ class PairGuard:
         self._epoch_decisions = 0
         self._counted, self._drafting, self._tokens, self._ms = 0, 0, 0.0, 0.0
 
-    def _decide(self) -> None:
+    def _decide(self, confirms: bool = True) -> None:
+        """Compare the modes' latest rates; `confirms`: an outcome that agrees with the current
+        winner lengthens its next epoch (a cut probe's does not)."""
         compared = self.compared_rates()
         spec, off = compared[SPECULATE], compared[TARGET_ONLY]
         if spec is None or off is None:
@@ -557,7 +566,10 @@ class PairGuard:
             del self._held_at[load]  # compared here now: no longer held on a lower load's word
         self._decided_at[self._epoch_load] = Decision(wins, dict(self.rates), copy.copy(self.first_rounds),
                                                       dict(self._last_ms))
-        self.streak = self.streak + 1 if wins == self.speculation_wins and not provisional else 0
+        if wins != self.speculation_wins or provisional:
+            self.streak = 0
+        elif confirms:
+            self.streak += 1
         self._provisional_from = None
         self.speculation_wins = wins
         if wins != was:

@@ -163,8 +163,9 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
     # what the model's size and the page cache make it (7.6-12.8 s measured for the 1.5B float32
     # target on 2 Zen 5 cores) and is not charged to the curve: charged, it left the curve little or
     # none of the budget in some startups, only its always-measured points (3 or 4 of 12; loadtest
-    # runs 52, 55, 57).
-    left = budget_s - paths.seconds
+    # runs 52, 55, 57). Nor is a second kind of copy's measurement (a fallback, choose_and_apply): the
+    # curve keeps at least the half of the budget the GEMM path was not given.
+    left = budget_s - min(paths.seconds, budget_s / 2)
     # The orchestrator prices rounds at the short context; a longer one is measured (and reported for
     # operators) only with budget to spare. The end points of the short one are always measured.
     contexts = tuple(sorted({min(64, core.max_context // 4), min(256, core.max_context // 2)}))

@@ -155,14 +155,19 @@ class Int4Weight:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
 
 
+def int4_fits(out_features: int, in_features: int, group: int = INT4_GROUP) -> None:
+    """Raises ValueError where the kernel cannot take the shape: inputs in whole groups, outputs in 16s."""
+    if in_features % group or out_features % 16:
+        raise ValueError(f"{out_features}x{in_features} does not fit int4 groups of {group} (or 16 outputs)")
+
+
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP,
                   dequantized: bool = False) -> tuple[Int4Weight, torch.Tensor | None]:
     """Round to nearest on each group's own [min, max] in 16 steps. With `dequantized`, also the weight
     the int4 one stands for (float32), what its products are checked against. Raises ValueError where
     the shape does not fit the kernel."""
     out_features, in_features = weight.shape
-    if in_features % group or out_features % 16:
-        raise ValueError(f"{out_features}x{in_features} does not fit int4 groups of {group} (or 16 outputs)")
+    int4_fits(out_features, in_features, group)
     packed, scales_and_zeros, back = [], [], []
     # By blocks of rows: a float32 copy of a whole LM head, and its integer one, would add over 1 GB to
     # a worker's startup peak. The kernel's layout packs 64 rows at a time, so blocks of a multiple of
@@ -286,7 +291,8 @@ class PathLinear(torch.nn.Module):
     reduced copy is not a parameter, so `.to()` / `.float()` refuse (a plain attribute would stay
     behind on its old device and dtype)."""
 
-    def __init__(self, linear: torch.nn.Linear, plan: ShapePlan) -> None:
+    def __init__(self, linear: torch.nn.Linear, plan: ShapePlan, reduced: ReducedCopy | None = None) -> None:
+        """`reduced`: the plan's copy of this linear's weight, made already (copies_only), else made here."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.plan = plan
@@ -296,7 +302,8 @@ class PathLinear(torch.nn.Module):
             if plan.reduced_kind not in REDUCED_KINDS:
                 raise ValueError(f"a plan with reduced rows needs a kind of copy ({', '.join(REDUCED_KINDS)}), "
                                  f"got {plan.reduced_kind!r}")
-            self.reduced = _reduced_copy(linear.weight, linear.bias, plan.reduced_kind)
+            self.reduced = reduced if reduced is not None else _reduced_copy(linear.weight, linear.bias,
+                                                                             plan.reduced_kind)
         self.packed: torch.Tensor | None = None
         if plan.packed:
             self.packed = pack(linear.weight)
@@ -434,6 +441,8 @@ class _ShapeTimer:
         self.dequantized: torch.Tensor | None = None
         if reduced_kind:
             try:
+                if reduced_kind == INT4:  # the whole layer must fit, not only the slice timed
+                    int4_fits(first.out_features, first.in_features)
                 self.reduced = [_reduced_copy(weight, bias, reduced_kind) for weight, bias in self.weights]
                 if reduced_kind == INT4:  # rows quantise independently: these are the copy's own values
                     self.dequantized = quantize_int4(self.weights[0][0][:AGREEMENT_OUTPUTS], dequantized=True)[1]
@@ -640,8 +649,9 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
     return choice
 
 
-def apply(model: torch.nn.Module, choice: PathChoice) -> int:
-    """Swap every nn.Linear whose shape's plan differs from F.linear for a PathLinear; returns how many."""
+def apply(model: torch.nn.Module, choice: PathChoice, copies: dict[int, ReducedCopy] | None = None) -> int:
+    """Swap every nn.Linear whose shape's plan differs from F.linear for a PathLinear; returns how many.
+    `copies`: reduced copies of this choice made already, by id of the nn.Linear (copies_only)."""
     from specdec.models import own_tensors
     swapped = 0
     for parent in list(model.modules()):
@@ -649,7 +659,8 @@ def apply(model: torch.nn.Module, choice: PathChoice) -> int:
             if type(child) is torch.nn.Linear:
                 plan = choice.plans.get((child.out_features, child.in_features))
                 if plan is not None and plan.swaps:
-                    setattr(parent, name, PathLinear(child, plan))
+                    made = copies.get(id(child)) if copies and plan.reduced_rows else None
+                    setattr(parent, name, PathLinear(child, plan, made))
                     swapped += 1
     if any(plan.packed for plan in choice.plans.values()):
         own_tensors(model)  # the dense weights are gone: let the checkpoint's mapping go with them
@@ -673,21 +684,24 @@ def copy_rows(choice: PathChoice) -> int:
 
 
 @contextlib.contextmanager
-def copies_only(model: torch.nn.Module, choice: PathChoice) -> Iterator[None]:
+def copies_only(model: torch.nn.Module, choice: PathChoice) -> Iterator[dict[int, ReducedCopy]]:
     """Within: the choice's reduced copies swapped in alone, every other product on the model's own
-    nn.Linear weights (F.linear), which stay as they are; on exit the nn.Linears come back. What a
-    check of the copies needs before `apply` packs weights for good (packing drops the dense weight
-    that another kind of copy would be made from)."""
+    nn.Linear weights (F.linear), which stay as they are; on exit the nn.Linears come back, also
+    after an error. What a check of the copies needs before `apply` packs weights for good (packing
+    drops the dense weight that another kind of copy would be made from). Yields the copies by id of
+    the nn.Linear they stand for, filled as they are made, for `apply` to reuse."""
     swapped: list[tuple[torch.nn.Module, str, torch.nn.Linear]] = []
+    made: dict[int, ReducedCopy] = {}
     try:
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 plan = choice.plans.get((child.out_features, child.in_features)) if type(child) is torch.nn.Linear else None
                 if plan is not None and plan.reduced_rows:
-                    setattr(parent, name, PathLinear(child, ShapePlan(reduced_rows=plan.reduced_rows,
-                                                                      reduced_kind=plan.reduced_kind)))
+                    path = PathLinear(child, ShapePlan(reduced_rows=plan.reduced_rows, reduced_kind=plan.reduced_kind))
+                    setattr(parent, name, path)
                     swapped.append((parent, name, child))
-        yield
+                    made[id(child)] = path.reduced  # type: ignore[assignment]
+        yield made
     finally:
         for parent, name, child in swapped:
             setattr(parent, name, child)
@@ -698,49 +712,55 @@ def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float, reduce
     """Measure on this machine and apply; CPU only (GPU GEMMs have no such small-M cliff).
 
     `reduced_kinds`: the kinds of copy the reduced path may use, in order of preference (a draft's;
-    models.reduced_copy_kinds). Each is measured in turn, until one is kept: where the plan gives
-    copies and `check` is given, check(rows of the copies) runs with the copies alone swapped in
-    (copies_only); a score below `min_score` drops them (a WARNING) and the next kind is measured,
-    with a budget of its own (so a fallback can double the time measuring takes). Where no kind
-    keeps copies, the plan of the first measurement without its copies is applied."""
+    models.reduced_copy_kinds). Each is measured in turn (with a budget of its own: a fallback can
+    double the time measuring takes) until one is kept. A kind is passed over where its copies win
+    no shape's timing, or where `check` is given and check(rows of the copies), run with the copies
+    alone swapped in (copies_only), scores below `min_score` (a WARNING). Where no kind is kept, the
+    first measurement's plan runs, without its copies."""
     device = next(model.parameters()).device
     if device.type != "cpu" or budget_s <= 0:
         return PathChoice()
+    kinds: tuple[str | None, ...] = reduced_kinds or (None,)
     checks: list[tuple[str, float, bool]] = []
-    seconds, first = 0.0, None
-    for kind in reduced_kinds or (None,):
+    seconds, first, kept, copies = 0.0, None, None, None
+    for i, kind in enumerate(kinds):
         choice = measure(model, max_m, budget_s, reduced_kind=kind)
         seconds += choice.seconds
         first = choice if first is None else first
         rows = copy_rows(choice)
-        if not rows or check is None:
-            break  # no copies to check, or none asked for
+        if not rows:
+            continue  # no shape took this kind of copy
+        if check is None:
+            kept = choice
+            break
         started = time.monotonic()
-        with copies_only(model, choice):
+        with copies_only(model, choice) as made:
             score = check(rows)
         seconds += time.monotonic() - started
-        kept = score >= min_score
-        checks.append((kind, score, kept))
-        if kept:
+        checks.append((kind, score, score >= min_score))  # type: ignore[arg-type]
+        if score >= min_score:
             log.info("the %s weight copies keep %.3f of the model's token distributions", kind, score)
+            kept, copies = choice, made
             break
-        log.warning("the %s weight copies keep %.3f of the model's token distributions (under %.2f): %s", kind, score,
-                    min_score, "running without them" if kind == (reduced_kinds or (None,))[-1]
-                    else "measuring the next kind of copy")
-    else:
-        choice = without_reduced(first)  # every kind dropped: the first plan, without its copies
-    if choice is not first and first is not None:
+        log.warning("the %s weight copies keep %.3f of the model's token distributions (under %.2f): %s", kind,
+                    score, min_score, "measuring the next kind" if i + 1 < len(kinds) else "running without copies")
+        made.clear()  # not held while the next kind is measured
+    assert first is not None  # kinds is never empty
+    choice = kept if kept is not None else without_reduced(first)
+    if choice is not first:
         # A later kind's measurement that ran out of budget: the shapes it did not reach keep the
         # first measurement's plan, without its copies (packed where that won), not F.linear.
         for shape, plan in without_reduced(first).plans.items():
             if shape not in choice.plans:
                 choice.plans[shape], choice.timings[shape] = plan, first.timings[shape]
-        choice.complete = first.complete
+        choice.complete = choice.complete or first.complete
     choice.seconds, choice.copy_checks = seconds, checks
     started = time.monotonic()
-    swapped = apply(model, choice)
-    copies = reduced_copy_bytes(model)
+    swapped = apply(model, choice, copies)
+    copy_bytes = reduced_copy_bytes(model)
+    copied = "/".join(sorted({str(plan.reduced_kind) for plan in choice.plans.values() if plan.reduced_rows}))
     log.info("GEMM path (%.1fs measuring, %.1fs swapping in, %d linears swapped%s): %s", choice.seconds,
              time.monotonic() - started, swapped,
-             f", copies {copies / 2**20:.0f} MiB beside the weights" if copies else "", choice.summary())
+             f", {copied} copies {copy_bytes / 2**20:.0f} MiB beside the weights" if copy_bytes else "",
+             choice.summary())
     return choice

@@ -116,8 +116,9 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--int4", choices=("auto", "off"), default="auto",
                         help="auto: a CPU draft under --dtype auto may run its fewest-row steps on an int4 copy "
                              "of its weights where that times faster and keeps its token distributions (checked "
-                             "at startup against its own full-precision ones); off: no int4 copy. Never the "
-                             "target")
+                             "at startup against its own full-precision ones); off: no int4 copy. A float32 draft "
+                             "on a CPU without native bf16 tries a bf16 copy instead with off, or where the int4 "
+                             "copies fail the check or win no timing. Never the target")
     parser.add_argument("--max-k", type=int, default=8,
                         help=f"largest k to calibrate for (the orchestrator's max_k), 1 to {MAX_K}")
     parser.add_argument("--max-batch", type=int, default=8,

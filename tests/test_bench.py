@@ -102,8 +102,11 @@ def test_bench_repeats_and_a_system_selection(tmp_path: Path) -> None:
     versus = spread["adaptive_vs_best_fixed"]
     assert versus["best_fixed"] in ("service fixed k=3", "service fixed k=4")
     assert len(versus["ratio_by_repeat"]) == 2 and all(x > 0 for x in versus["ratio_by_repeat"])
+    rows = {r["system"]: r for r in report["summaries"][0]["rows"]}
+    assert all(r["prompts"] == len(report["prompts"]) and r["runs"] == 2 * len(report["prompts"]) for r in rows.values())
     md = (tmp_path / "report.md").read_text()
     assert "| repeat 1 | repeat 2 | max / min |" in md and "Adaptive (service cost) against the best fixed k" in md
+    assert "against each repeat's own best" in md
     # Two passes over the same prompts sample differently: their own seeds.
     k4 = {(r["prompt"], r["repeat"]): r["token_ids"] for r in report["runs"] if r["system"] == "service fixed k=4"}
     assert any(k4[p, 0] != k4[p, 1] for p in report["prompts"])

@@ -68,8 +68,9 @@ def test_where_target_only_wins_the_pair_stops_speculating_after_one_measurement
 
 def test_a_speculating_probe_that_clearly_loses_ends_at_half_its_rounds() -> None:
     """A probe of speculation while target-only leads ends once it has counted half its rounds and
-    trails by guard cut_loss (25 %) or more; the comparison runs on what it counted."""
-    def probe_lengths(spec_ms: float, cut_loss: float) -> list[int]:
+    trails by guard cut_loss (25 %) or more; the comparison runs on what it counted, and does not
+    confirm target-only (no longer next hold on half a probe)."""
+    def probes(spec_ms: float, cut_loss: float) -> tuple[list[int], PairGuard]:
         # max_stretch 1: target-only holds 4x the last probe, so that many probes come in the rounds played
         guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8, max_stretch=1, cut_loss=cut_loss))
         ks = play(guard, 6000, spec_round=(3, spec_ms), off_round=(1, 50.0))
@@ -80,18 +81,46 @@ def test_a_speculating_probe_that_clearly_loses_ends_at_half_its_rounds() -> Non
                 n += 1
             elif n:
                 runs, n = runs + [n], 0
-        return runs if ks[-1] == 0 else runs[:-1]  # not one that the end of play cut
+        return (runs if ks[-1] == 0 else runs[:-1]), guard  # not a probe that the end of play cut
     # 7.5 tok/s against 20: the first epoch is speculation's own as the pair's winner, never cut (32);
     # every probe after it is, at 16 of its 32 rounds.
-    lost, uncut = probe_lengths(400.0, 0.25), probe_lengths(400.0, 0.0)  # cut_loss 0: off
+    (lost, cut), (uncut_runs, uncut) = probes(400.0, 0.25), probes(400.0, 0.0)  # cut_loss 0: off
     assert lost[0] == 32 and len(lost) > 3 and set(lost[1:]) == {16}, lost
-    assert uncut[0] == 32 and set(uncut[1:]) == {32}
+    assert uncut_runs[0] == 32 and set(uncut_runs[1:]) == {32}
     # Target-only holds as long after a cut probe as after an uncut one (sized on the probe it would
     # have been): probes come as often and cost half.
-    assert len(lost) == len(uncut), (lost, uncut)
-    # 15 against 20 tok/s is 25 % behind, not more: a full probe (as is 21 % behind).
-    assert set(probe_lengths(200.0, 0.25)[1:]) == {32}
-    assert set(probe_lengths(190.0, 0.25)[1:]) == {32}
+    assert len(lost) == len(uncut_runs), (lost, uncut_runs)
+    # Each uncut probe's outcome confirmed target-only (after the first decision, which switched the
+    # pair off); the cut ones' did not.
+    assert cut.decisions == uncut.decisions and cut.streak == 0 and uncut.streak == cut.decisions - 1
+    # 15.4 and 15.8 against 20 tok/s are 23 % and 21 % behind: full probes; 14.0 (30 %) is cut.
+    assert set(probes(195.0, 0.25)[0][1:]) == {32}
+    assert set(probes(190.0, 0.25)[0][1:]) == {32}
+    assert set(probes(215.0, 0.25)[0][1:]) == {16}
+
+
+def test_the_cut_reads_the_per_turn_comparison_once_first_rounds_price_turns() -> None:
+    """Where turns are priced (first rounds known), the cut reads the rates the decision will. Steady
+    speculating rounds 37.5 % behind (3 tokens in 240 ms against 1 in 50), turns of 8 tokens:
+    - first rounds of 4 tokens in 400 ms (target call 300): 9.7 % behind per turn. Target-only wins
+      every decision, and its probes run in full;
+    - first rounds of 1 token in 900 ms: 55 % behind per turn, and the probes are cut at half."""
+    def probe_lengths(first: tuple[int, float, float]) -> list[int]:
+        guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8, max_stretch=1))
+        ks = play_turns(guard, 1500, 8, spec_round=(3, 240.0), off_round=(1, 50.0), spec_first=first,
+                        off_first_ms=300.0)
+        assert not guard.speculation_wins and guard.first_rounds.turns >= 2.5
+        runs, n = [], 0
+        for k in ks + [0]:
+            if k:
+                n += 1
+            elif n:
+                runs, n = runs + [n], 0
+        return runs[1:-1]  # not the pair's first epoch (speculation's own), nor one the end of play cut
+    level = probe_lengths((4, 400.0, 300.0))
+    assert level and set(level) == {32}, level
+    costly = probe_lengths((1, 900.0, 300.0))
+    assert costly and set(costly) == {16}, costly
 
 
 def test_a_target_only_epoch_is_never_cut_short_however_far_behind() -> None:
@@ -445,10 +474,11 @@ def test_a_rise_above_a_load_where_speculation_lost_holds_target_only_before_pro
         (logging.INFO, "pair pair: target-only holds, as speculating lost at 4 rounds in flight (to be measured at 6)")]
     assert sorted(guard._decided_at) == [1, 4]  # no decision at 8 yet; the one at 4 is kept
     # Then speculating is measured at 8 and the comparison is taken there, on rates measured there
-    # (with hysteresis, as after any decision; agreeing, it is the second confirmation).
+    # (with hysteresis, as after any decision). Agreeing, it would be the second confirmation, but the
+    # probe, 67 % behind, was cut at half: no confirmation.
     later = play_batched(guard, 300, 8, **at_eight)
     assert SPECULATE in later[200:250] and SPECULATE not in later[:200]
-    assert guard.decisions == decisions + 1 and not guard.speculation_wins and guard.streak == 2
+    assert guard.decisions == decisions + 1 and not guard.speculation_wins and guard.streak == 1
     assert guard._decided_at[8].rates == {SPECULATE: 3 / 500.0, TARGET_ONLY: 1 / 55.0}
     assert guard._held_at == {}  # compared at 8 now: nothing held there on 4's word any more
 
@@ -660,11 +690,14 @@ def test_the_guard_applies_to_policies_that_choose_k_zero_themselves() -> None:
     assert config.with_override(SpeculationOverride(policy="bandit")).guarded
     assert not config.with_values({"guard": False}, "test").guarded
     settings = config.with_values({"guard_spec_rounds": 5, "guard_off_rounds": 2, "guard_margin": 0.1,
-                                   "guard_rounds_per_session": 0}, "test").guard_settings()
-    assert (settings.spec_rounds, settings.off_rounds, settings.margin, settings.rounds_per_session) == (5, 2, 0.1, 0)
+                                   "guard_rounds_per_session": 0, "guard_cut_loss": 0.4}, "test").guard_settings()
+    assert (settings.spec_rounds, settings.off_rounds, settings.margin, settings.rounds_per_session,
+            settings.cut_loss) == (5, 2, 0.1, 0, 0.4)
+    assert SpeculationConfig().guard_settings().cut_loss == 0.25
     for bad in ({"guard_spec_rounds": 0}, {"guard_off_rounds": 0}, {"guard_margin": 1.0},
                 {"guard_rounds_per_session": -1}, {"guard_rounds_per_session": 2.5},
-                {"guard_margin": float("nan")}, {"guard": 1}):
+                {"guard_margin": float("nan")}, {"guard": 1}, {"guard_cut_loss": 1.0}, {"guard_cut_loss": -0.1},
+                {"guard_cut_loss": float("nan")}):
         with pytest.raises(SpeculationConfigError):
             config.with_values(bad, "test")
     with pytest.raises(ValueError):

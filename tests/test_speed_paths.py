@@ -334,7 +334,7 @@ def test_swapping_the_paths_in_is_not_charged_to_the_cost_curve(monkeypatch: pyt
     real_monotonic = time.monotonic
     monkeypatch.setattr(time, "monotonic", lambda: real_monotonic() + offset[0])
 
-    def slow_apply(model: torch.nn.Module, choice: linear_path.PathChoice) -> int:
+    def slow_apply(model: torch.nn.Module, choice: linear_path.PathChoice, copies: object = None) -> int:
         offset[0] += 100.0
         return 0
 

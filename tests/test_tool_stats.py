@@ -174,9 +174,20 @@ def test_repeats_give_each_pass_its_own_figure_and_compare_adaptive_with_the_bes
     assert spread["geomean_by_repeat"]["service fixed k=4"] == pytest.approx([3.0 / 2 ** 0.5, 2.4 / 2 ** 0.5])
     assert spread["geomean_by_repeat"][BASELINE] == pytest.approx([1.0, 1.0])
     versus = spread["adaptive_vs_best_fixed"]
+    assert versus["candidates"] == ["service fixed k=2", "service fixed k=4"]
     assert versus["best_fixed"] == "service fixed k=4"  # best on the mean of the repeats (k=2: 2.0 in both)
     assert versus["ratio_by_repeat"] == pytest.approx([0.9, 1.125])
+    assert versus["ratio_by_repeat_own_best"] == pytest.approx([0.9, 2.7 / 2.4])  # k=4 both times here
     assert versus["spread_between_repeats"] == pytest.approx(0.25)  # k=4 moved 3.0 -> 2.4
+    assert spread["prompts_per_repeat"] == 3 and spread["prompts_by_repeat"]["service fixed k=2"] == [3, 3]
+    # A run that made no tokens is left out (its prompt counted out of the pass), not divided by.
+    broken = [r for r in runs if not (r.prompt == "s1" and r.repeat == 1 and r.system == BASELINE)]
+    broken.append(_timed(BASELINE, "s1", 1, 1.0))
+    broken[-1].tokens = 0
+    holed = repeat_spread(broken, "sampled", categories)
+    assert holed["prompts_by_repeat"]["service fixed k=4"] == [3, 2]
+    assert holed["geomean_by_repeat"]["service fixed k=4"][1] == pytest.approx(2.4)  # code alone
+    assert summarize(broken, "sampled", None, categories)["rows"]  # no ZeroDivisionError
     # Runs of a repeat are divided by the reference of the same repeat, never of another one.
     slower_pass = [_timed(BASELINE, "c1", 0, 1.0), _timed("service fixed k=2", "c1", 0, 2.0),
                    _timed(BASELINE, "c1", 1, 0.5), _timed("service fixed k=2", "c1", 1, 1.0)]

@@ -205,8 +205,8 @@ def summarize(runs: list[Run], mode: str, plan: list[System] | None = None,
         if r.mode == mode:
             by_system.setdefault(r.system, []).append(r)
 
-    def keyed(name: str) -> dict[tuple[str, int], Run]:  # one run per (prompt, repeat)
-        return {(r.prompt, r.repeat): r for r in by_system.get(name, [])}
+    def keyed(name: str) -> dict[tuple[str, int], Run]:  # one run per (prompt, repeat); none without tokens
+        return {(r.prompt, r.repeat): r for r in by_system.get(name, []) if r.tokens_per_s > 0}
     baseline = keyed(BASELINE)
     anchor = keyed("HF assisted (default)")
     hf_plain = keyed("target-only (HF in-process)")
@@ -246,7 +246,7 @@ def summarize(runs: list[Run], mode: str, plan: list[System] | None = None,
             identical = all(r.token_ids == hf_plain[r.prompt, r.repeat].token_ids for r in rs
                             if (r.prompt, r.repeat) in hf_plain)
         rows.append({
-            "system": name, "prompts": len(rs),
+            "system": name, "prompts": len({r.prompt for r in rs}), "runs": len(rs),
             "tok_s_median": _median(tps), "tok_s_min": min(tps), "tok_s_max": max(tps),
             "speedup_vs_target_only": _median(speedups) if speedups else None,
             "ratio_vs_hf_assisted": _median(vs_anchor) if vs_anchor else None,
@@ -277,20 +277,24 @@ def _geomean(xs: list[float]) -> float:
 def repeat_spread(runs: list[Run], mode: str, categories: dict[str, str]) -> dict[str, Any] | None:
     """Per system and per repeat (`--repeats`), the issue's figure: tok/s over target-only's on the
     same prompt and repeat, as a geometric mean per category (`categories`: prompt -> category; a
-    prompt of its own where absent), then over the categories. With two or more repeats, the adaptive
-    policy against the best fixed k: their ratio per repeat, beside the spread of each system's
-    figure between repeats (the noise a single run's comparison sits in). Reference: HF's in-process
-    target-only where the run has it, else the service at k = 0."""
+    prompt of its own where absent), then over the categories, with how many prompts it covers (a
+    run with no tokens, or without its reference, is left out). With two or more repeats, the
+    adaptive policy against the best fixed k, both ways: the k best on the repeats' mean, and each
+    repeat's own best (a selection from the same runs, which favours the fixed k); beside the spread
+    of each fixed k's figure between repeats (the noise a single run's comparison sits in).
+    Reference: HF's in-process target-only where the run has it, else the service at k = 0."""
     mine = [r for r in runs if r.mode == mode and r.tokens and r.wall_s]
     names = {r.system for r in mine}
     reference = "target-only (HF in-process)" if "target-only (HF in-process)" in names else BASELINE
     ref = {(r.prompt, r.repeat): r.tokens_per_s for r in mine if r.system == reference}
-    repeats = sorted({r.repeat for r in mine})
+    repeats = sorted({r.repeat for r in runs if r.mode == mode})
     if not ref or not repeats:
         return None
     per_system: dict[str, list[float | None]] = {}
+    prompts: dict[str, list[int]] = {}
     for name in sorted(names):
         figures: list[float | None] = []
+        counts: list[int] = []
         for repeat in repeats:
             by_category: dict[str, list[float]] = {}
             for r in mine:
@@ -298,18 +302,23 @@ def repeat_spread(runs: list[Run], mode: str, categories: dict[str, str]) -> dic
                     by_category.setdefault(categories.get(r.prompt, r.prompt), []).append(
                         r.tokens_per_s / ref[r.prompt, repeat])
             figures.append(_geomean([_geomean(v) for v in by_category.values()]) if by_category else None)
-        per_system[name] = figures
-    out: dict[str, Any] = {"reference": reference, "repeats": len(repeats), "geomean_by_repeat": per_system}
+            counts.append(sum(len(v) for v in by_category.values()))
+        per_system[name], prompts[name] = figures, counts
+    out: dict[str, Any] = {"reference": reference, "repeats": len(repeats), "geomean_by_repeat": per_system,
+                           "prompts_by_repeat": prompts,
+                           "prompts_per_repeat": len({prompt for prompt, _ in ref})}
     fixed = {n: f for n, f in per_system.items() if n.startswith("service fixed") and None not in f}
     adaptive = per_system.get("service cost (server config)")
     if len(repeats) >= 2 and fixed and adaptive and None not in adaptive:
-        best = max(fixed, key=lambda n: _geomean(fixed[n]))  # best on the mean of the repeats
-        ratios = [a / b for a, b in zip(adaptive, fixed[best])]
+        best = max(fixed, key=lambda n: _geomean(fixed[n]))  # type: ignore[arg-type]
+        ratios = [a / b for a, b in zip(adaptive, fixed[best])]  # type: ignore[operator]
+        own_best = [max(f[i] for f in fixed.values()) for i in range(len(repeats))]  # type: ignore[type-var]
         out["adaptive_vs_best_fixed"] = {
-            "best_fixed": best, "ratio_by_repeat": ratios, "ratio_mean": _geomean(ratios),
+            "candidates": sorted(fixed), "best_fixed": best, "ratio_by_repeat": ratios, "ratio_mean": _geomean(ratios),
+            "ratio_by_repeat_own_best": [a / b for a, b in zip(adaptive, own_best)],  # type: ignore[operator]
             # The noise: how far one system's figure moves between repeats (max / min - 1), at most over
             # the fixed-k systems, whose k is the same in every repeat.
-            "spread_between_repeats": max(max(f) / min(f) - 1.0 for f in fixed.values()),
+            "spread_between_repeats": max(max(f) / min(f) - 1.0 for f in fixed.values()),  # type: ignore[type-var]
         }
     return out
 
@@ -357,15 +366,21 @@ def markdown(summary: dict[str, Any]) -> str:
                   "the categories.", "",
                   "| system | " + " | ".join(f"repeat {i + 1}" for i in range(n)) + " | max / min |",
                   "|---|" + "---|" * (n + 1)]
+        full = spread["prompts_per_repeat"]
         for name, figures in spread["geomean_by_repeat"].items():
             known = [x for x in figures if x is not None]
-            lines.append(f"| {name} | " + " | ".join(f(x, ".2f", "x") for x in figures)
-                         + f" | {f(max(known) / min(known) if known else None, '.3f')} |")
+            counts = spread["prompts_by_repeat"][name]
+            lines.append(f"| {name} | " + " | ".join(
+                f(x, ".2f", "x") + ("" if n == full else f" ({n}/{full} prompts)") for x, n in zip(figures, counts))
+                + f" | {f(max(known) / min(known) if known else None, '.3f')} |")
         versus = spread.get("adaptive_vs_best_fixed")
         if versus:
-            lines += ["", f"Adaptive (service cost) against the best fixed k on the repeats' mean "
-                      f"({versus['best_fixed']}): " + ", ".join(f"{x:.3f}" for x in versus["ratio_by_repeat"])
-                      + f" per repeat, {versus['ratio_mean']:.3f} over all; a fixed k's figure moved by up to "
+            lines += ["", f"Adaptive (service cost) against the best fixed k of {', '.join(versus['candidates'])}: "
+                      f"on the repeats' mean ({versus['best_fixed']}) " + ", ".join(
+                          f"{x:.3f}" for x in versus["ratio_by_repeat"])
+                      + f" per repeat, {versus['ratio_mean']:.3f} over all; against each repeat's own best "
+                      + ", ".join(f"{x:.3f}" for x in versus["ratio_by_repeat_own_best"])
+                      + f" (picked after the fact from the same runs); a fixed k's figure moved by up to "
                       f"{versus['spread_between_repeats']:.1%} between repeats."]
     return "\n".join(lines) + "\n"
 
@@ -420,7 +435,7 @@ def plots(summaries: list[dict[str, Any]], runs: list[Run], out_dir: Path) -> li
 
 # ----------------------------------------------------------------------------- main
 
-async def _run_all(address: str, hf: HFRunner, prompts: list[dict], modes: list[str], max_new: int,
+async def _run_all(address: str, hf: "HFRunner | None", prompts: list[dict], modes: list[str], max_new: int,
                    progress: Any, plan: list[System], repeats: int = 1) -> list[Run]:
     import grpc
     from specdec.v1 import orchestrator_pb2_grpc
@@ -429,10 +444,11 @@ async def _run_all(address: str, hf: HFRunner, prompts: list[dict], modes: list[
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         # Warm-up: page in every model's weights before anything is timed.
         warm = prompts[0]["ids"]
-        warm_systems = [s for s in plan if s.kind == "service" and s.fixed_k != 0][:1]
-        for system in [s for s in plan if s.name == BASELINE] + warm_systems:
+        # The target alone, then a fixed k > 0 (the draft too), whatever the selection.
+        for system in (System("warm-up", "service", {"fixed_k": 0}), System("warm-up", "service", {"fixed_k": 2})):
             await service_run(stub, system, "greedy", "warmup", warm, 4, 0)
-        hf.run(System("warm-up", "hf-assisted"), "greedy", "warmup", warm, 4, 0)
+        if hf is not None:
+            hf.run(System("warm-up", "hf-assisted"), "greedy", "warmup", warm, 4, 0)
         for mode in modes:
             active = [s for s in plan if mode in s.modes]
             # Each repeat is a whole pass over the prompts with its own seeds (repeat 0: the seeds a
@@ -445,6 +461,7 @@ async def _run_all(address: str, hf: HFRunner, prompts: list[dict], modes: list[
                         if system.kind == "service":
                             run = await service_run(stub, system, mode, prompt["id"], prompt["ids"], max_new, seed)
                         else:
+                            assert hf is not None  # loaded whenever the plan has an HF system
                             run = await asyncio.to_thread(hf.run, system, mode, prompt["id"], prompt["ids"],
                                                           max_new, seed)
                         run.repeat = repeat
@@ -480,6 +497,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts, each with its own "
                         "sampling seeds; the report gives each pass's figures and their spread (the noise)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    plan = systems(args.all_systems)
+    if args.systems:
+        try:
+            plan = select_systems(plan, args.systems)
+        except (ValueError, re.error) as exc:
+            parser.error(str(exc))
 
     from tqdm import tqdm
 
@@ -511,15 +536,9 @@ def main(argv: list[str] | None = None) -> None:
     draft_dtype = resolve_dtype(args.dtype, "draft", device)
     print(f"bench: on {device}, target {args.target} ({target_dtype}), draft {args.draft} ({draft_dtype}), "
           f"{len(chosen)} prompts, {args.max_new_tokens} new tokens, modes {modes}, config {config}")
-    hf = HFRunner(args.target, args.draft, target_dtype, draft_dtype, device)
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
-    plan = systems(args.all_systems)
-    if args.systems:
-        try:
-            plan = select_systems(plan, args.systems)
-        except (ValueError, re.error) as exc:
-            parser.error(str(exc))
+    # The in-process anchors only where the plan runs one (`--systems` may leave them out).
+    hf = (HFRunner(args.target, args.draft, target_dtype, draft_dtype, device)
+          if any(s.kind != "service" for s in plan) else None)
     total = args.repeats * sum(len(chosen) for mode in modes for s in plan if mode in s.modes)
     orch_args = ["--log-level", "WARNING", "--max-k", "8"] + (["--config", config] if config else [])
     started = time.time()
