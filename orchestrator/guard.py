@@ -434,13 +434,12 @@ class PairGuard:
         """A speculating probe (target-only leads, or holds provisionally after a rise in load) that
         has counted half its rounds and whose rate so far trails target-only's by `cut_loss` or more,
         on the comparison the decision will make (`compared_rates`: per turn once first rounds are
-        known): it has lost, and the rest of it would only add to what the probe costs (loadtest,
-        2-core Zen 4, 8 streams: a 20 s probe at 2.17 tok/s per session against 3.49 cost its block
-        15 %). It ends there and the comparison runs on what it counted, but does not count as a
-        confirmation of target-only (`_decide`): half a probe at 8 streams is two batched steps, and
-        a cut made on their noise should not also lengthen the next hold. One way only: a
-        target-only epoch is never cut, as target-only is the safe mode, and a wrong cut here costs
-        speculation's gain, never more than target-only's rate."""
+        known): it has lost, and the rest of it would only add to what the probe costs, which is
+        the guard's whole cost where target-only wins. It ends there and the comparison runs on what
+        it counted. Its outcome confirms target-only (lengthening the next hold) only where an
+        earlier comparison at about this load agreed (`_decide`): half a probe at 8 streams is two
+        batched steps. One way only: a target-only epoch is never cut, as target-only is the safe
+        mode, and a wrong cut here costs speculation's gain, never more than target-only's rate."""
         off, cut = self.rates[TARGET_ONLY], self.settings.cut_loss
         if (cut <= 0.0 or self.mode != SPECULATE or self.speculation_wins or off is None or self._ms <= 0.0
                 or 2 * self._counted < self.needed_rounds):
@@ -518,7 +517,7 @@ class PairGuard:
         self._last_ms[self.mode] = self._ms if as_ms is None else as_ms
         measured = self.mode != self.winner  # the short epoch of the other mode just ended
         if measured:
-            self._decide(confirms=not cut)
+            self._decide(cut=cut)
         # After a measurement the winner runs; after the winner's epoch, the other mode measures.
         self._begin_epoch(self.winner if measured else (TARGET_ONLY if self.mode == SPECULATE else SPECULATE))
 
@@ -536,9 +535,10 @@ class PairGuard:
         self._epoch_decisions = 0
         self._counted, self._drafting, self._tokens, self._ms = 0, 0, 0.0, 0.0
 
-    def _decide(self, confirms: bool = True) -> None:
-        """Compare the modes' latest rates; `confirms`: an outcome that agrees with the current
-        winner lengthens its next epoch (a cut probe's does not)."""
+    def _decide(self, cut: bool = False) -> None:
+        """Compare the modes' latest rates. An outcome that agrees with the current winner lengthens
+        its next epoch (a confirmation); a cut probe's (`cut`, half a probe) only where an earlier
+        comparison at about this load agreed too."""
         compared = self.compared_rates()
         spec, off = compared[SPECULATE], compared[TARGET_ONLY]
         if spec is None or off is None:
@@ -559,6 +559,8 @@ class PairGuard:
                   off * 1000.0, self.rates[SPECULATE] * 1000.0, self.rates[TARGET_ONLY] * 1000.0,
                   f"{self.turn_tokens:.1f}" if self.turn_tokens is not None else "?",
                   "speculate" if wins else "target-only")
+        agreed_before = any(same_load(load, self._epoch_load) and decision.speculation_wins == wins
+                            for load, decision in self._decided_at.items())
         # Remembered for this load, in place of what was decided at about the same load before.
         for load in [load for load in self._decided_at if same_load(load, self._epoch_load)]:
             del self._decided_at[load]
@@ -568,7 +570,7 @@ class PairGuard:
                                                       dict(self._last_ms))
         if wins != self.speculation_wins or provisional:
             self.streak = 0
-        elif confirms:
+        elif not cut or agreed_before:
             self.streak += 1
         self._provisional_from = None
         self.speculation_wins = wins

@@ -21,7 +21,8 @@ distinct weight shape of its model, the ways below to compute the same product a
     a draft trained in bf16 may lose more: the startup check below bounds it). The copy's products are checked against the dequantised weight, and the whole draft's
     distributions against its own full-precision ones (calibration.reduced_overlap).
   - `bf16` (a float32 draft where the CPU has no bf16 units, when the int4 kernel is missing or turned
-    off, or the int4 copies failed the distribution check: choose_and_apply measures the next kind):
+    off, or the int4 copies failed the distribution check or won no timing: choose_and_apply measures
+    the next kind):
     ATen's bf16 matrix-vector kernels read half the bytes, and on AVX2 kernels they took a
     draft's one-token linears 2.5-3.5x below the best float32 path.
   Either loses from a few rows on (at a prompt chunk's 64 rows bf16 was 4x slower), so only a prefix
@@ -660,6 +661,8 @@ def apply(model: torch.nn.Module, choice: PathChoice, copies: dict[int, ReducedC
                 plan = choice.plans.get((child.out_features, child.in_features))
                 if plan is not None and plan.swaps:
                     made = copies.get(id(child)) if copies and plan.reduced_rows else None
+                    if made is not None and (INT4 if isinstance(made[0], Int4Weight) else BF16) != plan.reduced_kind:
+                        made = None  # not this plan's kind of copy: made anew
                     setattr(parent, name, PathLinear(child, plan, made))
                     swapped += 1
     if any(plan.packed for plan in choice.plans.values()):

@@ -108,7 +108,7 @@ def resolve_dtype(name: str, role: str, device: torch.device | str = "cpu") -> t
 def reduced_copy_kinds(name: str, role: str, device: torch.device | str = "cpu", int4: bool = True) -> tuple[str, ...]:
     """The kinds of smaller weight copy the GEMM path may run a draft's few-row products on (linear_path,
     "reduced"), in order of preference: calibration measures the first, and the next only where the
-    copies of the one before kept too little of the draft's distributions. Only a CPU draft under
+    copies of the one before kept too little of the draft's distributions or won no shape's timing. Only a CPU draft under
     `--dtype auto`: never the target (its numerics are the output) and never an explicit dtype
     (float32 asked for is float32).
     - int4 (`--int4 auto`), where ATen's CPU int4 kernel runs (its products are bf16 whatever the

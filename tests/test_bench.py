@@ -107,6 +107,17 @@ def test_bench_repeats_and_a_system_selection(tmp_path: Path) -> None:
     md = (tmp_path / "report.md").read_text()
     assert "| repeat 1 | repeat 2 | max / min |" in md and "Adaptive (service cost) against the best fixed k" in md
     assert "against each repeat's own best" in md
+    assert "no HF anchors (`--systems`)" in md  # none selected: none loaded
     # Two passes over the same prompts sample differently: their own seeds.
     k4 = {(r["prompt"], r["repeat"]): r["token_ids"] for r in report["runs"] if r["system"] == "service fixed k=4"}
     assert any(k4[p, 0] != k4[p, 1] for p in report["prompts"])
+
+
+@pytest.mark.parametrize("flags, message", [(["--repeats", "0"], "--repeats must be at least 1"),
+                                            (["--systems", "no such system"], "matches none of"),
+                                            (["--modes", "greedy,fast"], "--modes takes greedy and/or sampled")])
+def test_bad_bench_flags_stop_it_before_any_model_loads(flags: list[str], message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--smoke", *flags], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert "bench: on" not in result.stdout  # the line printed once the models are chosen, before loading

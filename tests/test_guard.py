@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -66,6 +67,11 @@ def test_where_target_only_wins_the_pair_stops_speculating_after_one_measurement
     assert 0 < spec_ms / (spec_ms + off_ms) < MEASUREMENT_COST / 0.25, (spec_ms, off_ms)
 
 
+def speculating_runs(ks: list[int]) -> list[int]:
+    """The lengths of the runs of consecutive rounds at k > 0."""
+    return [len(list(group)) for speculating, group in itertools.groupby(ks, key=bool) if speculating]
+
+
 def test_a_speculating_probe_that_clearly_loses_ends_at_half_its_rounds() -> None:
     """A probe of speculation while target-only leads ends once it has counted half its rounds and
     trails by guard cut_loss (25 %) or more; the comparison runs on what it counted, and does not
@@ -75,12 +81,7 @@ def test_a_speculating_probe_that_clearly_loses_ends_at_half_its_rounds() -> Non
         guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8, max_stretch=1, cut_loss=cut_loss))
         ks = play(guard, 6000, spec_round=(3, spec_ms), off_round=(1, 50.0))
         assert not guard.speculation_wins and guard.flips == 1  # every probe confirmed the loss
-        runs, n = [], 0
-        for k in ks + [0]:
-            if k:
-                n += 1
-            elif n:
-                runs, n = runs + [n], 0
+        runs = speculating_runs(ks)
         return (runs if ks[-1] == 0 else runs[:-1]), guard  # not a probe that the end of play cut
     # 7.5 tok/s against 20: the first epoch is speculation's own as the pair's winner, never cut (32);
     # every probe after it is, at 16 of its 32 rounds.
@@ -90,13 +91,43 @@ def test_a_speculating_probe_that_clearly_loses_ends_at_half_its_rounds() -> Non
     # Target-only holds as long after a cut probe as after an uncut one (sized on the probe it would
     # have been): probes come as often and cost half.
     assert len(lost) == len(uncut_runs), (lost, uncut_runs)
-    # Each uncut probe's outcome confirmed target-only (after the first decision, which switched the
-    # pair off); the cut ones' did not.
-    assert cut.decisions == uncut.decisions and cut.streak == 0 and uncut.streak == cut.decisions - 1
+    # Each probe's outcome confirmed target-only, after the first decision (which switched the pair
+    # off), cut or not: each agreed with the comparison before it at this load.
+    assert cut.decisions == uncut.decisions and cut.streak == uncut.streak == cut.decisions - 1
     # 15.4 and 15.8 against 20 tok/s are 23 % and 21 % behind: full probes; 14.0 (30 %) is cut.
     assert set(probes(195.0, 0.25)[0][1:]) == {32}
     assert set(probes(190.0, 0.25)[0][1:]) == {32}
     assert set(probes(215.0, 0.25)[0][1:]) == {16}
+
+
+def test_under_a_sustained_loss_cut_probes_come_ever_more_rarely() -> None:
+    """Cut probes confirm target-only where the comparison before them at this load agreed, so the
+    holds between them grow as uncut probes' do (default max_stretch)."""
+    def holds(cut_loss: float) -> list[int]:
+        guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8, cut_loss=cut_loss))
+        ks = play(guard, 60000, spec_round=(3, 400.0), off_round=(1, 50.0))
+        assert guard.streak >= 3
+        return [len(list(group)) for speculating, group in itertools.groupby(ks, key=bool) if not speculating][:-1]
+    cut, uncut = holds(0.25), holds(0.0)
+    # 20.8x the probe (loss 62.5 % / MEASUREMENT_COST) until 4 x 2^streak passes it, then up to 64x.
+    assert len(cut) >= 5 and cut[4] > 2 * cut[1], cut
+    assert cut[:len(uncut)] == uncut[:len(cut)]  # as long as after uncut probes (sized on the full probe)
+
+
+def test_a_cut_probe_alone_does_not_lengthen_a_hold_taken_on_a_loss_below() -> None:
+    """After a rise above a load where speculating lost, target-only holds as if confirmed once
+    (streak 1). The first probe at the new load, cut, is the only comparison there: it does not
+    confirm; a full probe would."""
+    def after_rise(cut_loss: float) -> int:
+        guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8, cut_loss=cut_loss))
+        play_batched(guard, 400, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+        play_batched(guard, 40, 4, spec_round=(3, 400.0), off_round=(1, 60.0))  # speculation lost at 4
+        play_batched(guard, 100, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
+        decisions = guard.decisions
+        play_batched(guard, 600, 8, spec_round=(3, 500.0), off_round=(1, 55.0))  # held, then probed at 8
+        assert guard.decisions == decisions + 1 and not guard.speculation_wins
+        return guard.streak
+    assert after_rise(0.25) == 1 and after_rise(0.0) == 2
 
 
 def test_the_cut_reads_the_per_turn_comparison_once_first_rounds_price_turns() -> None:
@@ -110,13 +141,7 @@ def test_the_cut_reads_the_per_turn_comparison_once_first_rounds_price_turns() -
         ks = play_turns(guard, 1500, 8, spec_round=(3, 240.0), off_round=(1, 50.0), spec_first=first,
                         off_first_ms=300.0)
         assert not guard.speculation_wins and guard.first_rounds.turns >= 2.5
-        runs, n = [], 0
-        for k in ks + [0]:
-            if k:
-                n += 1
-            elif n:
-                runs, n = runs + [n], 0
-        return runs[1:-1]  # not the pair's first epoch (speculation's own), nor one the end of play cut
+        return speculating_runs(ks)[1:-1]  # not the pair's first epoch (speculation's own), nor one play cut
     level = probe_lengths((4, 400.0, 300.0))
     assert level and set(level) == {32}, level
     costly = probe_lengths((1, 900.0, 300.0))
@@ -475,7 +500,7 @@ def test_a_rise_above_a_load_where_speculation_lost_holds_target_only_before_pro
     assert sorted(guard._decided_at) == [1, 4]  # no decision at 8 yet; the one at 4 is kept
     # Then speculating is measured at 8 and the comparison is taken there, on rates measured there
     # (with hysteresis, as after any decision). Agreeing, it would be the second confirmation, but the
-    # probe, 67 % behind, was cut at half: no confirmation.
+    # probe, 67 % behind, was cut at half, and no comparison at 8 came before it: no confirmation.
     later = play_batched(guard, 300, 8, **at_eight)
     assert SPECULATE in later[200:250] and SPECULATE not in later[:200]
     assert guard.decisions == decisions + 1 and not guard.speculation_wins and guard.streak == 1

@@ -509,3 +509,20 @@ def test_target_calibration_measures_load_points_even_on_a_tight_budget() -> Non
     assert {t for t, _, _ in curve.points} == {1, 5, 32}
     full = measure_cost_curve(model, 260, max_tokens=3, contexts=(8,), budget_s=30, load_tokens=(16, 32))
     assert [t for t, _ in full.rows_curve()] == [1, 2, 3, 16, 32]
+
+
+def test_the_cost_curve_keeps_half_the_budget_whatever_the_gemm_path_took(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fallback between kinds of weight copies measures the GEMM path twice (up to the whole
+    budget): the cost curve, which seeds the k policy, still gets its half."""
+    from specdec import calibration
+    budgets: list[float] = []
+
+    def curve(model: object, vocab: int, max_tokens: int, contexts: object, budget_s: float, **kw: object) -> object:
+        budgets.append(budget_s)
+        raise StopIteration  # the budget is all this test needs
+    monkeypatch.setattr(linear_path, "choose_and_apply", lambda *a, **kw: linear_path.PathChoice(seconds=30.0))
+    monkeypatch.setattr(calibration, "measure_cost_curve", curve)
+    core = WorkerCore(load_model("tiny:seed=0"), "draft")
+    with pytest.raises(StopIteration):
+        calibrate(core, max_k=3, budget_s=20, reduced_kind=("int4", "bf16"))
+    assert budgets == [10.0]

@@ -499,6 +499,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if not args.modes or not set(args.modes.split(",")) <= {"greedy", "sampled"}:
+        parser.error(f"--modes takes greedy and/or sampled, comma-separated, got {args.modes!r}")
     plan = systems(args.all_systems)
     if args.systems:
         try:
@@ -538,7 +540,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{len(chosen)} prompts, {args.max_new_tokens} new tokens, modes {modes}, config {config}")
     # The in-process anchors only where the plan runs one (`--systems` may leave them out).
     hf = (HFRunner(args.target, args.draft, target_dtype, draft_dtype, device)
-          if any(s.kind != "service" for s in plan) else None)
+          if any(s.kind != "service" and set(s.modes) & set(modes) for s in plan) else None)
     total = args.repeats * sum(len(chosen) for mode in modes for s in plan if mode in s.modes)
     orch_args = ["--log-level", "WARNING", "--max-k", "8"] + (["--config", config] if config else [])
     started = time.time()
@@ -563,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
     m = report["machine"]
     md = [f"# specdec bench\n\n`{report['command']}` — {report['started']} UTC, {report['duration_s']:.0f} s, "
           f"on `{device}`: target `{args.target}` ({target_dtype}), draft `{args.draft}` ({draft_dtype}); "
-          f"HF anchors on the same device in the same dtypes"
+          + ("HF anchors on the same device in the same dtypes" if hf is not None else "no HF anchors (`--systems`)")
           + (" (the service's draft also runs smaller copies of its weights, int4 or bf16, for its fewest-row "
              "steps: its GEMM path below; HF assisted's draft does not)"
              if "copy at M=" in gemm_paths.get("draft", "") else "")
