@@ -433,8 +433,8 @@ class PairGuard:
     def _probe_clearly_lost(self) -> bool:
         """A speculating probe (target-only leads, or holds provisionally after a rise in load) that
         has counted half its rounds and whose rate so far trails target-only's by `cut_loss` or more,
-        on the comparison the decision will make (`compared_rates`: per turn once first rounds are
-        known): it has lost, and the rest of it would only add to what the probe costs, which is
+        on the comparison the decision will make (`_priced`, as `compared_rates`: per turn once first
+        rounds are known): it has lost, and the rest of it would only add to what the probe costs, which is
         the guard's whole cost where target-only wins. It ends there and the comparison runs on what
         it counted. Its outcome confirms target-only (lengthening the next hold) only where an
         earlier comparison at about this load agreed (`_decide`): half a probe at 8 streams is two
@@ -444,9 +444,7 @@ class PairGuard:
         if (cut <= 0.0 or self.mode != SPECULATE or self.speculation_wins or off is None or self._ms <= 0.0
                 or 2 * self._counted < self.needed_rounds):
             return False
-        spec, length = self._tokens / self._ms, self.turn_tokens
-        if length is not None and self.first_rounds.turns >= MIN_FIRST_ROUNDS:
-            spec, off = per_turn_rates(spec, off, length, self.first_rounds) or (spec, off)
+        spec, off = self._priced(self._tokens / self._ms, off)
         return spec < off * (1.0 - cut)
 
     @property
@@ -457,13 +455,19 @@ class PairGuard:
     def compared_rates(self) -> dict[str, float | None]:
         """What the modes are compared on: tokens per ms over whole turns where about three turns
         have begun speculating at this load (see the module doc), else the steady rates."""
-        spec, off, length = self.rates[SPECULATE], self.rates[TARGET_ONLY], self.turn_tokens
-        if spec is None or off is None or length is None or self.first_rounds.turns < MIN_FIRST_ROUNDS:
+        spec, off = self.rates[SPECULATE], self.rates[TARGET_ONLY]
+        if spec is None or off is None:
             return dict(self.rates)
-        per_turn = per_turn_rates(spec, off, length, self.first_rounds)
-        if per_turn is None:
-            return dict(self.rates)
-        return {SPECULATE: per_turn[0], TARGET_ONLY: per_turn[1]}
+        spec, off = self._priced(spec, off)
+        return {SPECULATE: spec, TARGET_ONLY: off}
+
+    def _priced(self, spec: float, off: float) -> tuple[float, float]:
+        """Steady rates (speculating, target-only) as compared: per turn where the first rounds
+        price turns, else as they are."""
+        length = self.turn_tokens
+        if length is None or self.first_rounds.turns < MIN_FIRST_ROUNDS:
+            return spec, off
+        return per_turn_rates(spec, off, length, self.first_rounds) or (spec, off)
 
     @property
     def in_flight(self) -> int:

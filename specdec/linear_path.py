@@ -650,21 +650,30 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
     return choice
 
 
+def _planned_linears(model: torch.nn.Module,
+                     choice: PathChoice) -> Iterator[tuple[torch.nn.Module, str, torch.nn.Linear, ShapePlan]]:
+    """(parent, attribute name, nn.Linear, its shape's plan) for every plain nn.Linear the choice has a
+    plan for; listed up front, so that the caller may swap them as it goes."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                plan = choice.plans.get((child.out_features, child.in_features))
+                if plan is not None:
+                    yield parent, name, child, plan
+
+
 def apply(model: torch.nn.Module, choice: PathChoice, copies: dict[int, ReducedCopy] | None = None) -> int:
     """Swap every nn.Linear whose shape's plan differs from F.linear for a PathLinear; returns how many.
     `copies`: reduced copies of this choice made already, by id of the nn.Linear (copies_only)."""
     from specdec.models import own_tensors
     swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                plan = choice.plans.get((child.out_features, child.in_features))
-                if plan is not None and plan.swaps:
-                    made = copies.get(id(child)) if copies and plan.reduced_rows else None
-                    if made is not None and (INT4 if isinstance(made[0], Int4Weight) else BF16) != plan.reduced_kind:
-                        made = None  # not this plan's kind of copy: made anew
-                    setattr(parent, name, PathLinear(child, plan, made))
-                    swapped += 1
+    for parent, name, child, plan in _planned_linears(model, choice):
+        if plan.swaps:
+            made = copies.get(id(child)) if copies and plan.reduced_rows else None
+            if made is not None and (INT4 if isinstance(made[0], Int4Weight) else BF16) != plan.reduced_kind:
+                made = None  # not this plan's kind of copy: made anew
+            setattr(parent, name, PathLinear(child, plan, made))
+            swapped += 1
     if any(plan.packed for plan in choice.plans.values()):
         own_tensors(model)  # the dense weights are gone: let the checkpoint's mapping go with them
     return swapped
@@ -696,14 +705,12 @@ def copies_only(model: torch.nn.Module, choice: PathChoice) -> Iterator[dict[int
     swapped: list[tuple[torch.nn.Module, str, torch.nn.Linear]] = []
     made: dict[int, ReducedCopy] = {}
     try:
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                plan = choice.plans.get((child.out_features, child.in_features)) if type(child) is torch.nn.Linear else None
-                if plan is not None and plan.reduced_rows:
-                    path = PathLinear(child, ShapePlan(reduced_rows=plan.reduced_rows, reduced_kind=plan.reduced_kind))
-                    setattr(parent, name, path)
-                    swapped.append((parent, name, child))
-                    made[id(child)] = path.reduced  # type: ignore[assignment]
+        for parent, name, child, plan in _planned_linears(model, choice):
+            if plan.reduced_rows:
+                path = PathLinear(child, ShapePlan(reduced_rows=plan.reduced_rows, reduced_kind=plan.reduced_kind))
+                setattr(parent, name, path)
+                swapped.append((parent, name, child))
+                made[id(child)] = path.reduced  # type: ignore[assignment]
         yield made
     finally:
         for parent, name, child in swapped:

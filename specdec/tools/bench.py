@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import platform
 import re
 import statistics
@@ -270,10 +269,6 @@ def summarize(runs: list[Run], mode: str, plan: list[System] | None = None,
             "repeats": repeat_spread(runs, mode, categories or {})}
 
 
-def _geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-
 def repeat_spread(runs: list[Run], mode: str, categories: dict[str, str]) -> dict[str, Any] | None:
     """Per system and per repeat (`--repeats`), the issue's figure: tok/s over target-only's on the
     same prompt and repeat, as a geometric mean per category (`categories`: prompt -> category; a
@@ -301,7 +296,8 @@ def repeat_spread(runs: list[Run], mode: str, categories: dict[str, str]) -> dic
                 if r.system == name and r.repeat == repeat and (r.prompt, repeat) in ref:
                     by_category.setdefault(categories.get(r.prompt, r.prompt), []).append(
                         r.tokens_per_s / ref[r.prompt, repeat])
-            figures.append(_geomean([_geomean(v) for v in by_category.values()]) if by_category else None)
+            figures.append(statistics.geometric_mean([statistics.geometric_mean(v) for v in by_category.values()])
+                           if by_category else None)
             counts.append(sum(len(v) for v in by_category.values()))
         per_system[name], prompts[name] = figures, counts
     out: dict[str, Any] = {"reference": reference, "repeats": len(repeats), "geomean_by_repeat": per_system,
@@ -310,11 +306,12 @@ def repeat_spread(runs: list[Run], mode: str, categories: dict[str, str]) -> dic
     fixed = {n: f for n, f in per_system.items() if n.startswith("service fixed") and None not in f}
     adaptive = per_system.get("service cost (server config)")
     if len(repeats) >= 2 and fixed and adaptive and None not in adaptive:
-        best = max(fixed, key=lambda n: _geomean(fixed[n]))  # type: ignore[arg-type]
+        best = max(fixed, key=lambda n: statistics.geometric_mean(fixed[n]))  # type: ignore[arg-type]
         ratios = [a / b for a, b in zip(adaptive, fixed[best])]  # type: ignore[operator]
         own_best = [max(f[i] for f in fixed.values()) for i in range(len(repeats))]  # type: ignore[type-var]
         out["adaptive_vs_best_fixed"] = {
-            "candidates": sorted(fixed), "best_fixed": best, "ratio_by_repeat": ratios, "ratio_mean": _geomean(ratios),
+            "candidates": sorted(fixed), "best_fixed": best, "ratio_by_repeat": ratios,
+            "ratio_mean": statistics.geometric_mean(ratios),
             "ratio_by_repeat_own_best": [a / b for a, b in zip(adaptive, own_best)],  # type: ignore[operator]
             # The noise: how far one system's figure moves between repeats (max / min - 1), at most over
             # the fixed-k systems, whose k is the same in every repeat.
@@ -371,7 +368,8 @@ def markdown(summary: dict[str, Any]) -> str:
             known = [x for x in figures if x is not None]
             counts = spread["prompts_by_repeat"][name]
             lines.append(f"| {name} | " + " | ".join(
-                f(x, ".2f", "x") + ("" if n == full else f" ({n}/{full} prompts)") for x, n in zip(figures, counts))
+                f(x, ".2f", "x") + ("" if count == full else f" ({count}/{full} prompts)")
+                for x, count in zip(figures, counts))
                 + f" | {f(max(known) / min(known) if known else None, '.3f')} |")
         versus = spread.get("adaptive_vs_best_fixed")
         if versus:
