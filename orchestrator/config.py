@@ -18,6 +18,8 @@ from specdec.errors import InvalidRequest
 
 PolicyName = Literal["fixed", "heuristic", "cost", "bandit"]
 POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
+OverlapMode = Literal["auto", "on", "off"]
+OVERLAP_MODES: tuple[str, ...] = get_args(OverlapMode)
 
 
 class SpeculationConfigError(InvalidRequest, ValueError):
@@ -79,13 +81,15 @@ class SpeculationConfig:
         f"{MAX_BRANCH_SLOTS}). A branch that guessed right supplies the next round's drafts at once. "
         "Lossless. Costs draft compute during the verify and up to this many extra copies of a "
         "session's draft KV cache. Per request: `speculation.pipeline_branches`."))
-    overlap_prefill: bool = field(default=False, metadata=_doc(
+    overlap_prefill: OverlapMode = field(default="auto", metadata=_doc(
         "Prefill overlap: a turn's first round runs target-only while the draft prefills the new prompt "
         "beside it and pre-drafts round 2 (its first token a guess of the target's), so the first token "
-        "does not wait for the draft's prefill. For the `cost` and `bandit` policies with min_k = 0, "
-        "when the target has more than 16 tokens to prefill. Off by default for the same reason as "
-        "`pipeline`: on one shared CPU the two prefills compete for the same cores. Per request: "
-        "`speculation.overlap_prefill`."))
+        "does not wait for the draft's prefill. For the `cost` and `bandit` policies with min_k = 0. "
+        "`\"on\"`: when the target has more than 16 tokens to prefill. `\"auto\"`: with `pipeline` on "
+        "only (the two workers on different devices), per turn where the measured costs price it below "
+        "the serial first round (docs/pipelining.md); with `pipeline` off, as `\"off\"`: on one shared "
+        "CPU the two prefills compete for the same cores. `true` / `false` read as `\"on\"` / "
+        "`\"off\"`. Per request: `speculation.overlap_prefill` (true: on, false: off)."))
     guard: bool = field(default=True, metadata=_doc(
         "Pair guard: the worker pair runs in epochs, speculating or target-only for all its sessions at "
         "once, and keeps the mode that made more tokens per second over whole turns (a turn's first "
@@ -116,8 +120,16 @@ class SpeculationConfig:
     bandit_prior_weight: float = field(default=2.0, metadata=_doc(
         "`bandit` policy: how many rounds the cost model's prediction counts as for each arm."))
 
+    def __post_init__(self) -> None:
+        # The overlap was a bool before "auto": true / false (TOML, a request) still mean on / off.
+        if isinstance(self.overlap_prefill, bool):
+            object.__setattr__(self, "overlap_prefill", "on" if self.overlap_prefill else "off")
+
     def validate(self) -> "SpeculationConfig":
         """Raise SpeculationConfigError on the first bad field; returns self so calls can chain."""
+        if not (isinstance(self.overlap_prefill, str) and self.overlap_prefill in OVERLAP_MODES):
+            raise SpeculationConfigError(f"overlap_prefill must be one of {', '.join(OVERLAP_MODES)} "
+                                         f"(or true / false), got {self.overlap_prefill!r}")
         self._check_types()
         if self.policy not in POLICY_NAMES:
             raise SpeculationConfigError(f"unknown k policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
@@ -166,9 +178,12 @@ class SpeculationConfig:
         return self.policy in ("cost", "bandit") and self.min_k == 0
 
     @property
-    def overlaps_prefill(self) -> bool:
-        """Whether turns overlap their first round's prefills (see overlap_prefill)."""
-        return self.overlap_prefill and self.picks_target_only
+    def prefill_overlap(self) -> str:
+        """How turns overlap their first round's prefills, as it applies (see overlap_prefill): "on",
+        "auto" (priced per turn) or "off"."""
+        if not self.picks_target_only or (self.overlap_prefill == "auto" and not self.pipeline):
+            return "off"
+        return self.overlap_prefill
 
     @property
     def guarded(self) -> bool:

@@ -24,7 +24,7 @@ from orchestrator.api import EngineLimits, GenerateParams, GenerationEvent, Gene
 from orchestrator.backends import DraftBackend, TargetBackend, WorkerDescription
 from orchestrator.config import SpeculationConfig
 from orchestrator.guard import TARGET_ONLY, PairGuard
-from orchestrator.kpolicy import CostModelPolicy, SessionStats, TargetLoad
+from orchestrator.kpolicy import CostModelPolicy, SessionStats, TargetLoad, prefill_overlap_price
 from orchestrator.record import RoundObserver, RoundRecord
 from orchestrator.rounds import Deadline, DraftHealthBoard, Round, Workers
 from orchestrator.routing import bounded_entry
@@ -278,7 +278,8 @@ class GenerationEngine:
                                        params.stop, self.tokenizer.decode)
         round_ = Round(self.workers, session, SamplingConfig(params.temperature, params.top_k, params.top_p, seed),
                        deadline, stop, spec.min_draft_prob, policy.name, pipeline=spec.pipeline, max_k=spec.max_k,
-                       overlap_prefill=spec.overlaps_prefill, branches=spec.pipeline_branches)
+                       overlap_prefill=spec.prefill_overlap, branches=spec.pipeline_branches,
+                       overlap_pays=lambda rows: overlap_pays(session.stats, rows, spec))
         stats = GenerationStats(seed=seed, prompt_tokens=prompt_len)
         prior = self.prior_for(session.session_id)
         # The load of the pair the session is on now: after a scale-out moved it, its verifies must
@@ -320,6 +321,19 @@ class GenerationEngine:
         if session.messages and params.messages is not None:
             session.messages.append({"role": "assistant", "content": stop.full_text})
         yield GenerationEvent(record.text_delta, list(record.emitted), record.finish, stats, label)
+
+
+def overlap_pays(stats: SessionStats, prompt_rows: int, spec: SpeculationConfig) -> bool:
+    """The prefill overlap's per-turn choice ("auto"): priced by the cost model, with the pipelining
+    and branches the turn runs (kpolicy.prefill_overlap_price)."""
+    price = prefill_overlap_price(stats, prompt_rows, spec.min_k, spec.max_k, spec.pipeline,
+                                  spec.pipeline_branches)
+    if price is None:
+        return False
+    log.debug("prefill overlap over %d prompt rows: %.0f ms + %.0f ms to make up against %.0f ms serial (k=%d): %s",
+              prompt_rows, price.overlap, price.make_up, price.serial, price.k_serial,
+              "overlap" if price.pays else "serial")
+    return price.pays
 
 
 def seeded_stats(draft: WorkerDescription | None, target: WorkerDescription, max_k: int) -> SessionStats:

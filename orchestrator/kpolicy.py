@@ -704,6 +704,62 @@ def prefill_round_k(stats: SessionStats, lo: int, best: int, prefill_rows: int, 
     return max(range(lo, best + 1), key=gain)  # ties: the smaller k
 
 
+@dataclass(frozen=True)
+class OverlapPrice:
+    """What the two ways of running a turn's first round cost (ms), as prefill_overlap_price prices
+    them: `serial` makes E(k1) tokens, `overlap` one, and `make_up` is what the steady rounds take
+    for the tokens the overlap's round did not make."""
+    serial: float
+    overlap: float
+    make_up: float
+    k_serial: int
+
+    @property
+    def pays(self) -> bool:
+        return self.overlap + self.make_up < self.serial
+
+
+def prefill_overlap_price(stats: SessionStats, prefill_rows: int, min_k: int, max_k: int,
+                          pipelined: bool = False, branches: int = 0) -> OverlapPrice | None:
+    """Price the prefill overlap for a turn's first round over `prefill_rows` new prompt tokens
+    (rounds.Round, overlap_prefill "auto"). None where there is nothing to price: no k > 0 pays, or
+    no forward-cost curve of either worker (calibration skipped).
+
+    Serial, the round drafts k1 (prefill_round_k) after the draft's prefill, then the target
+    verifies them with the prompt: D(P) + (k1 - 1)·t_draft + T(P + k1) + both RTTs, for E(k1)
+    tokens. (The draft's prefill forward yields its first draft.) With the overlap the target
+    prefills alone, for one token, while the draft prefills and pre-drafts round 2's k + 1 tokens
+    beside it; round 2 waits for the later of the two: max(T(P) + rtt, D(P) + k·t_draft + draft
+    rtt). The overlap pays where that, plus the time the steady rounds need for the E(k1) - 1
+    tokens it did not make (at the steady rate of the best k), is less than the serial round: where
+    the draft's prefill and drafts are dear against the target's prefill. T is the target's rows
+    curve (as measured in service where seen), D the draft's startup curve scaled by how its
+    per-token cost now compares with the curve's one-row cost (a draft slowed by a neighbour is
+    slower at prefill too). Left out, in the serial round's favour: round 2 after the overlap is a
+    pre-draft hit when the guess of one token was right, while after a serial round it needs all
+    k1 accepted and the bonus guessed."""
+    t = stats.timing
+    lo = max(1, min_k)
+    if max_k < lo:
+        return None
+    rates = {k: CostModelPolicy.tokens_per_ms(stats, k, pipelined, branches, max_k) for k in range(min_k, max_k + 1)}
+    best = max(rates, key=lambda k: (rates[k], -k))
+    draft_one = curves.extended(t.draft_curve, 1)
+    target_prompt = t.load.forward_ms(prefill_rows)
+    if best < lo or not draft_one or target_prompt is None or rates[best] <= 0:
+        return None
+    per_token = t.draft_ms_per_token.value
+    speed = min(2.0, max(0.5, per_token / draft_one))
+    draft_prompt = (curves.extended(t.draft_curve, prefill_rows) or draft_one) * speed
+    k_serial = prefill_round_k(stats, lo, best, prefill_rows, rates[best])
+    target_serial = t.load.forward_ms(prefill_rows + k_serial) or target_prompt
+    serial = (draft_prompt + (k_serial - 1) * per_token + t.draft_rtt_ms.value
+              + target_serial + t.rtt_ms.value)
+    overlap = max(target_prompt + t.rtt_ms.value, draft_prompt + best * per_token + t.draft_rtt_ms.value)
+    make_up = (expected_tokens(stats.acceptance.value, k_serial) - 1.0) / rates[best]
+    return OverlapPrice(serial, overlap, make_up, k_serial)
+
+
 def _running_max(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """Points sorted by x, each y raised to the largest before it: a non-decreasing cost curve."""
     curve, highest = [], 0.0

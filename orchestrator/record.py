@@ -52,6 +52,8 @@ class RoundRecord:
     target_waiting: int = 0
     target_prompt_rows: float = 0.0  # of target_rows, prompts' rows (other sessions' prefills, or its own)
     target_queue_ms: float = 0.0  # the verify's wait in the target's scheduler (the rest of wall - compute: RPC)
+    # The prefill overlap ran this round (a turn's first, k = 0 while the draft prefilled beside it).
+    overlapped: bool = False
     # The pair guard's epoch this round ran in: "spec", "off" (k forced to 0), or "" (not guarded).
     guard: str = ""
 

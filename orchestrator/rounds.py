@@ -218,13 +218,16 @@ class Round:
 
     def __init__(self, workers: Workers, session: OrchestratorSession, sampling: SamplingConfig,
                  deadline: Deadline, stop: StopConditions, min_draft_prob: float, policy_name: str,
-                 pipeline: bool = False, max_k: int = 8, overlap_prefill: bool = False, branches: int = 0) -> None:
+                 pipeline: bool = False, max_k: int = 8, overlap_prefill: str = "off", branches: int = 0,
+                 overlap_pays: Callable[[int], bool] | None = None) -> None:
         self.workers = workers
         self.pipeline = pipeline
         self.branches = branches if pipeline else 0
         self._branches: list[_Branch] = []
         self._hit_shared_draft = False  # this round's drafts came from a pre-draft made beside branches
-        self.overlap_prefill = overlap_prefill
+        self.overlap_prefill = overlap_prefill  # "on", "auto" (overlap_pays decides per turn) or "off"
+        self.overlap_pays = overlap_pays
+        self._overlap_choice: tuple[int, int, bool] | None = None  # (round index, rows, overlaps): priced once
         self.max_k = max_k
         self._ahead: _PreDraft | None = None
         self.session = session
@@ -244,9 +247,18 @@ class Round:
         return 0 if self._overlaps(self.index + 1, rows) else rows
 
     def _overlaps(self, index: int, prefill_rows: int) -> bool:
-        """Whether round `index`, with this many tokens for the target to take, runs the prefill overlap."""
-        return (self.overlap_prefill and index == 1 and self.stop.remaining >= 3
-                and prefill_rows > OVERLAP_MIN_PREFILL)
+        """Whether round `index`, with this many tokens for the target to take, runs the prefill overlap:
+        "on", for a prompt of more than OVERLAP_MIN_PREFILL tokens; "auto", where `overlap_pays` prices
+        it below the serial first round (kpolicy.prefill_overlap_price), asked once per round."""
+        if self.overlap_prefill == "off" or index != 1 or self.stop.remaining < 3 or prefill_rows <= 1:
+            return False
+        if self.overlap_prefill == "on":
+            return prefill_rows > OVERLAP_MIN_PREFILL
+        if self.overlap_pays is None:
+            return False
+        if self._overlap_choice is None or self._overlap_choice[:2] != (index, prefill_rows):
+            self._overlap_choice = (index, prefill_rows, self.overlap_pays(prefill_rows))
+        return self._overlap_choice[2]
 
     async def run_guarded(self, k: int, guard: PairGuard | None, ticket: GuardTicket | None) -> RoundRecord:
         """run(k), with the worker pair's guard told what the round made (or that it measured nothing)."""
@@ -282,7 +294,8 @@ class Round:
         reply, hit, saved_ms, branch_hit = await self._take_predraft(k, calls)
         # After the pre-draft settled: a pre-draft that found the draft down put it in backoff.
         use_draft = k > 0 and self.workers.draft_health.for_session(self.session.session_id).usable()
-        if reply is None and use_draft and self._overlaps(self.index, prefill_rows):
+        overlapped = reply is None and use_draft and self._overlaps(self.index, prefill_rows)
+        if overlapped:
             # The turn's first round has a prompt to prefill on both workers. Serially the target
             # would wait for the draft's prefill; instead the target prefills and answers the first
             # token alone (k = 0) while the draft prefills and pre-drafts the next round, its first
@@ -323,7 +336,7 @@ class Round:
             k=k, drafts=tuple(drafts), draft_probs=tuple(reply.token_probs) if reply else (),
             draft_confidences=tuple(reply.confidences) if reply else (),
             accepted=verify.accepted_len, emitted=out.tokens, text_delta=out.text_delta, finish=out.finish,
-            fallback=k > 0 and reply is None, greedy=self.sampling.greedy,
+            fallback=k > 0 and reply is None, greedy=self.sampling.greedy, overlapped=overlapped,
             draft_ms=reply.compute_ms if reply else 0.0,
             draft_token_ms=0.0 if hit and self._hit_shared_draft else _draft_token_ms(reply),
             verify_ms=verify.compute_ms, verify_wall_ms=verify.wall_ms,

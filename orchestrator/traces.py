@@ -55,6 +55,7 @@ class RoundTrace:
     # The verify's wait in the target's scheduler before its first forward (0 in older traces): of
     # verify_wall_ms - verify_ms, what the worker queued; the rest is the RPC's.
     target_queue_ms: float = 0.0
+    overlapped: bool = False  # the prefill overlap ran this round (False in older traces)
 
     @property
     def steady(self) -> bool:
@@ -96,7 +97,8 @@ class TraceWriter:
             guard=record.guard, emitted=len(record.emitted),
             predraft={True: "hit", False: "miss"}.get(record.predraft_hit, ""),
             predraft_saved_ms=round(record.predraft_saved_ms, 3), draft_wall_ms=round(record.draft_wall_ms, 3),
-            verify_wall_ms=round(record.verify_wall_ms, 3), target_queue_ms=round(record.target_queue_ms, 3)))
+            verify_wall_ms=round(record.verify_wall_ms, 3), target_queue_ms=round(record.target_queue_ms, 3),
+            overlapped=record.overlapped))
 
     def write(self, trace: RoundTrace) -> None:
         line = json.dumps(asdict(trace), separators=(",", ":"))

@@ -6,7 +6,7 @@ import pytest
 from orchestrator.config import SpeculationConfig
 from orchestrator.kpolicy import (PAIR_ACCEPTANCE_ALPHA, SESSION_ACCEPTANCE_ALPHA, BanditPolicy, CostModelPolicy,
                              DecayingLine, Ewma, FixedPolicy, HeuristicPolicy, SessionStats, TargetLoad,
-                             expected_tokens, speedup_bound)
+                             expected_tokens, prefill_overlap_price, speedup_bound)
 
 
 def stats_with(acceptance: float, draft_ms: float = 10.0, verify_base: float = 50.0, verify_slope: float = 2.0,
@@ -482,3 +482,41 @@ def test_ks_in_use_keep_their_measured_cost_and_unseen_ones_follow_the_calibrate
         t.observe_verify(3 if r % 2 == 0 else 4, 200.0 if r % 2 == 0 else 300.0)
     assert t.verify_by_k[3].value == pytest.approx(200.0) and t.verify_by_k[4].value == pytest.approx(300.0)
     assert 180.0 * 200.0 / 130.0 < t.verify_by_k[8].value < 180.0 * 300.0 / 140.0
+
+
+def overlap_stats(draft_curve: tuple[tuple[int, float], ...], a: float = 0.8, draft_ms: float = 45.0) -> SessionStats:
+    """A CPU-like pair: the target's prefill dear (compute-bound past 16 rows), 45 ms a drafted token."""
+    s = stats_with(a, draft_ms=draft_ms)
+    s.timing.load = TargetLoad(((1, 500.0), (9, 540.0), (16, 700.0), (32, 1300.0), (64, 2500.0)))
+    s.timing.seed(draft_ms, {k: 500.0 + 5.0 * k for k in range(9)})
+    s.timing.draft_curve = draft_curve
+    return s
+
+
+def test_the_prefill_overlap_is_priced_against_the_serial_first_round() -> None:
+    """"auto" overlaps a turn's first round where the draft's prefill and drafts on the critical path
+    cost more than the overlap's round (the target's prefill alone) plus the time the steady rounds
+    need for the tokens that round did not make; not where the draft prefills cheaply."""
+    dear = overlap_stats(((1, 45.0), (2, 48.0), (16, 80.0), (64, 600.0)))   # the draft's prefill: 470 ms at 48
+    cheap = overlap_stats(((1, 45.0), (2, 46.0), (64, 60.0)))               # ... 56 ms (a GPU-like draft)
+    for pipelined in (False, True):
+        price = prefill_overlap_price(dear, 48, 0, 8, pipelined, 2)
+        assert price is not None and price.pays, price
+        rate = max(CostModelPolicy.tokens_per_ms(dear, k, pipelined, 2) for k in range(9))
+        d48 = 80.0 + (600.0 - 80.0) * 32 / 48
+        t = dear.timing
+        assert price.serial == pytest.approx(d48 + (price.k_serial - 1) * 45.0 + t.draft_rtt_ms.value
+                                             + t.load.forward_ms(48 + price.k_serial) + t.rtt_ms.value)
+        assert price.overlap == pytest.approx(t.load.forward_ms(48) + t.rtt_ms.value)  # the draft ends first
+        assert price.make_up == pytest.approx((expected_tokens(0.8, price.k_serial) - 1) / rate)
+        assert not prefill_overlap_price(cheap, 48, 0, 8, pipelined, 2).pays
+    # A draft running twice as slow as its startup curve (a neighbour on its device) prefills slower too.
+    slowed = overlap_stats(((1, 45.0), (2, 46.0), (64, 60.0)), draft_ms=90.0)
+    assert prefill_overlap_price(slowed, 48, 0, 8).serial > prefill_overlap_price(cheap, 48, 0, 8).serial + 56.0
+    # Nothing to price: no curve (calibration skipped), or no k > 0 pays (the first round is k = 0 anyway).
+    assert prefill_overlap_price(overlap_stats(()), 48, 0, 8) is None
+    no_rows = overlap_stats(((1, 45.0), (64, 600.0)))
+    no_rows.timing.load = TargetLoad()
+    assert prefill_overlap_price(no_rows, 48, 0, 8) is None
+    assert prefill_overlap_price(overlap_stats(((1, 45.0), (64, 600.0)), a=0.02), 48, 0, 8) is None
+    assert prefill_overlap_price(dear, 48, 0, 0) is None

@@ -471,6 +471,48 @@ async def test_a_request_turns_the_prefill_overlap_on_or_off(server_default: boo
         await stack.close()
 
 
+@pytest.mark.parametrize("pays", [True, False])
+async def test_auto_overlaps_the_first_round_where_the_price_says_so_and_only_when_pipelined(
+        pays: bool, monkeypatch) -> None:
+    """overlap_prefill = "auto" (the default): with pipelining on, each turn's first round asks the
+    cost model (kpolicy.prefill_overlap_price, here stubbed) and overlaps where it pays, runs
+    serially where it does not; with pipelining off (one shared device) it never overlaps and never
+    asks. The trace record says which rounds overlapped."""
+    import orchestrator.engine as engine_module
+    from orchestrator.kpolicy import OverlapPrice
+    asked: list[int] = []
+
+    def price(stats, rows, min_k, max_k, pipelined=False, branches=0):
+        asked.append(rows)
+        return OverlapPrice(serial=100.0, overlap=50.0 if pays else 90.0, make_up=20.0, k_serial=2)
+    monkeypatch.setattr(engine_module, "prefill_overlap_price", price)
+    overlapped: list[bool] = []
+
+    class Spy:
+        def observe(self, record: RoundRecord) -> None:
+            overlapped.append(record.overlapped)
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.001")
+    assert stack.orch.engine.speculation.overlap_prefill == "auto"
+    stack.orch.engine.observers.append(Spy())
+    try:
+        reply = await stack.generate(prompt_ids=LONG_PROMPT, max_new_tokens=12, speculation={"pipeline": True})
+        assert list(reply.token_ids) == reference_greedy(LONG_PROMPT, 12)
+        s = reply.stats
+        assert asked == [len(LONG_PROMPT)], asked  # once per turn, for its prompt
+        if pays:
+            assert s.k_per_round[0] == 0 and s.predraft_hits + s.predraft_misses >= 1, list(s.k_per_round)
+            assert overlapped[0] and not any(overlapped[1:]), overlapped
+        else:
+            assert s.k_per_round[0] > 0 and not any(overlapped), (list(s.k_per_round), overlapped)
+        asked.clear(), overlapped.clear()
+        serial = await stack.generate(prompt_ids=LONG_PROMPT, max_new_tokens=12)  # pipeline off (the default)
+        assert list(serial.token_ids) == reference_greedy(LONG_PROMPT, 12)
+        assert asked == [] and not any(overlapped), (asked, overlapped)
+        assert serial.stats.predraft_hits == serial.stats.predraft_misses == 0
+    finally:
+        await stack.close()
+
+
 # ----------------------------------------------------------------------------- branches
 
 def test_a_forked_slot_drafts_what_the_session_would_and_leaves_it_alone() -> None:
@@ -697,7 +739,9 @@ def test_netbench_smoke_runs_every_system_and_reads_its_traces(tmp_path) -> None
     assert row["identical"] and row["ceiling_vs_serial"] > 0
     assert {r["system"] for r in report["runs"]} == set(SYSTEMS)
     assert "do not match" not in result.stdout
-    assert "\nguard = false\n" in (tmp_path / "orchestrator.toml").read_text()  # one guard for all systems: off
+    config = (tmp_path / "orchestrator.toml").read_text()
+    assert "\nguard = false\n" in config  # one guard for all systems: off
+    assert '\noverlap_prefill = "auto"\n' in config and "pipelined_overlapped" in row  # what "pipelined" runs
     assert (tmp_path / "logs-0ms" / "orchestrator.log").exists()  # the services' logs stay with the results
 
 

@@ -6,6 +6,7 @@ import io
 import contextlib
 import gzip
 from pathlib import Path
+from dataclasses import replace
 
 import pytest
 
@@ -150,7 +151,8 @@ def test_config_file_rejects_unknown_keys(tmp_path: Path) -> None:
 @pytest.mark.parametrize("line", ["max_k = 6.0", "min_k = 0.5", "fixed_k = 2.5", "heuristic_initial_k = 2.5",
                                   "probe_every = true", "bandit_prior_weight = '2'", "policy = 3",
                                   "pipeline = 1", "bandit_prior_weight = inf", "bandit_exploration = inf",
-                                  "guard_margin = nan", "min_draft_prob = -inf", "bandit_exploration = " + "9" * 400])
+                                  "guard_margin = nan", "min_draft_prob = -inf", "bandit_exploration = " + "9" * 400,
+                                  "overlap_prefill = 'sometimes'", "overlap_prefill = 1"])
 def test_config_file_rejects_values_of_the_wrong_type(tmp_path: Path, line: str) -> None:
     """Refused when the file is read, not at the first request (a float k reached range() or a
     worker call: INTERNAL on every request; an infinite bandit weight made every arm NaN, so the
@@ -162,6 +164,23 @@ def test_config_file_rejects_values_of_the_wrong_type(tmp_path: Path, line: str)
     good = tmp_path / "good.toml"
     good.write_text("[speculation]\nbandit_exploration = 1\nguard_margin = 0\n")  # an integer for a float is fine
     assert SpeculationConfig.from_toml(str(good)).bandit_exploration == 1
+
+
+def test_the_prefill_overlap_reads_auto_on_off_and_the_old_booleans(tmp_path: Path) -> None:
+    """overlap_prefill was a bool before "auto": true / false in a file or a request mean on / off.
+    "auto" applies only with pipelining on (the workers on different devices), and only where the
+    policy may choose k = 0."""
+    for text, mode in (("true", "on"), ("false", "off"), ("'auto'", "auto"), ("'on'", "on"), ("'off'", "off")):
+        path = tmp_path / "spec.toml"
+        path.write_text(f"[speculation]\noverlap_prefill = {text}\n")
+        assert SpeculationConfig.from_toml(str(path)).overlap_prefill == mode
+    auto = SpeculationConfig()
+    assert auto.overlap_prefill == "auto" and auto.prefill_overlap == "off"  # not pipelined
+    assert replace(auto, pipeline=True).prefill_overlap == "auto"
+    assert replace(auto, pipeline=True, min_k=1).prefill_overlap == "off"    # k = 0 is not the policy's
+    assert auto.with_override(SpeculationOverride(overlap_prefill=True)).prefill_overlap == "on"
+    assert replace(auto, pipeline=True).with_override(SpeculationOverride(overlap_prefill=False)).prefill_overlap == "off"
+    assert 'overlap_prefill = "auto"' in auto.to_toml()
 
 
 async def test_new_sessions_start_from_their_worker_pair_prior() -> None:
@@ -231,9 +250,10 @@ def test_cost_policy_comes_near_the_best_fixed_k_in_replay(a: float) -> None:
 def test_shipped_config_files_load(name: str) -> None:
     spec = SpeculationConfig.from_toml(str(Path(__file__).parent.parent / "configs" / name))
     assert spec.policy in ("fixed", "heuristic", "cost", "bandit")
-    if name == "embedded-pair-two-devices.toml":
-        assert spec.overlap_prefill and not SpeculationConfig.from_toml(
-            str(Path(__file__).parent.parent / "configs" / "embedded-pair-cpu.toml")).overlap_prefill
+    if name == "embedded-pair-two-devices.toml":  # its `true` reads as "on"
+        assert spec.overlap_prefill == spec.prefill_overlap == "on"
+    if name == "embedded-pair-cpu.toml":  # "auto" by default, which without pipelining is off
+        assert spec.overlap_prefill == "auto" and not spec.pipeline and spec.prefill_overlap == "off"
 
 
 async def test_a_session_moved_to_another_target_replica_prices_k_with_that_pairs_load() -> None:

@@ -10,9 +10,10 @@ round-robin per prompt, in one run:
   pipelined-no-branches  the same policy, the draft drafting round n+1 during round n's verify
                          on the assumption that round n is fully accepted
   pipelined              the same, plus branch pre-drafts for the likeliest rejections
-                         (pipeline_branches, the server's default)
-  pipelined-overlap      the same, plus the prefill overlap: a turn's first round runs target-only
-                         while the draft prefills the prompt and pre-drafts round 2
+                         (pipeline_branches, the server's default) and the prefill overlap's
+                         default, "auto": priced per turn (docs/pipelining.md)
+  pipelined-overlap      the same, with the prefill overlap on for every turn: a turn's first round
+                         runs target-only while the draft prefills the prompt and pre-drafts round 2
 
 Reported per latency: tok/s, ratios, the pre-draft hit rate, the draft time hits saved, and target
 capacity (the target's busy fraction: verify compute / wall time). A plot of tok/s against latency.
@@ -23,7 +24,8 @@ rounds choose their own k) and the **verify slowdown** (the target's compute per
 in pipelined runs, where the draft works beside it, against serial runs, where it is idle; where the
 workers are two cores of one chip they share memory bandwidth and caches, which two devices do not).
 The pair guard is off (netbench_config): its state is per worker pair, and would carry one
-system's measurements into another's rounds.
+system's measurements into another's rounds. The server's prefill overlap is "auto" (a request can
+turn it on or off, not ask for "auto"), which the "pipelined" system runs.
 """
 from __future__ import annotations
 
@@ -67,15 +69,16 @@ async def _runs(address: str, latency: float, prompts: list[dict], max_new: int)
     return runs
 
 def netbench_config(base: str | None, out: Path) -> Path:
-    """The orchestrator's config for netbench: `base` (or the defaults) with the pair guard off.
-    The guard keeps one state per worker pair, so with it on, one system's rounds would decide
-    another's target-only epochs; each system here is one stream comparing a way of running rounds."""
+    """The orchestrator's config for netbench: `base` (or the defaults) with the pair guard off and
+    the prefill overlap "auto". The guard keeps one state per worker pair, so with it on, one
+    system's rounds would decide another's target-only epochs; each system here is one stream
+    comparing a way of running rounds. "auto" is what the "pipelined" system runs (SYSTEMS)."""
     from dataclasses import replace
 
     from orchestrator.config import SpeculationConfig
     spec = SpeculationConfig.from_toml(base) if base else SpeculationConfig()
     path = out / "orchestrator.toml"
-    path.write_text(f"# netbench: {base or 'defaults'}, guard off\n" + replace(spec, guard=False).validate().to_toml())
+    path.write_text(f"# netbench: {base or 'defaults'}, guard off\n" + replace(spec, guard=False, overlap_prefill="auto").validate().to_toml())
     return path
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--config", help="orchestrator [speculation] TOML (default for the embedded pair: "
                         "configs/embedded-pair-cpu.toml)")
-    parser.add_argument("--calibration-s", type=float, default=10.0)
+    parser.add_argument("--calibration-s", type=float, default=20.0,
+                        help="each worker's startup measuring budget (the workers' own default; with one "
+                        "thread each, 10 s left the GEMM-path plans partial)")
     parser.add_argument("--smoke", action="store_true", help="tiny random models, 2 prompts, 12 tokens (CI)")
     parser.add_argument("--out", default=str(ROOT / "netbench-out"))
     args = parser.parse_args(argv)

@@ -8,12 +8,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Each system sets what it compares explicitly, whatever the server's config says (the pair guard,
-# which would carry one system's measurements into another's rounds, is off: netbench_config).
+# Each system sets what it compares explicitly, whatever the server's config says, or takes what
+# netbench_config sets (the pair guard, which would carry one system's measurements into another's
+# rounds, off; the prefill overlap "auto", which a request cannot ask for: "pipelined" leaves it so).
 SYSTEMS = {"target-only": {"fixed_k": 0},
            "serial": {"pipeline": False, "overlap_prefill": False},
            "pipelined-no-branches": {"pipeline": True, "pipeline_branches": 0, "overlap_prefill": False},
-           "pipelined": {"pipeline": True, "overlap_prefill": False},
+           "pipelined": {"pipeline": True},
            "pipelined-overlap": {"pipeline": True, "overlap_prefill": True}}
 PIPELINED = ("pipelined-no-branches", "pipelined", "pipelined-overlap")
 MIN_ROUNDS_PER_K = 3  # verify_slowdown compares a k only with this many rounds on each side
@@ -114,6 +115,8 @@ def summarize(runs: list[NetRun]) -> list[dict[str, Any]]:
             row[f"{prefix}hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
             row[f"{prefix}branch_hit_share"] = sum(r.branch_hits for r in rs) / hits if hits else 0.0
             row[f"{prefix}saved_ms_per_request"] = statistics.mean(r.saved_ms for r in rs)
+            if all(r.rounds for r in rs):  # (the traces attached)
+                row[f"{name}_overlapped"] = statistics.mean(bool(r.rounds[0].get("overlapped")) for r in rs)
         ceilings = [c for r in by["serial"] if (c := ceiling(r)) is not None]
         if ceilings:
             row["ceiling_vs_serial"] = statistics.median(ceilings)
@@ -133,7 +136,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     def speed(r: dict[str, Any], name: str) -> str:
         return f"{r[name + '_tok_s']:.2f} ({r[name + '_vs_target_only']:.2f}x)" if name + "_tok_s" in r else "-"
     lines = ["| one-way latency | target-only tok/s | serial tok/s (vs target-only) | pipelined, no branches "
-             "(vs target-only) | pipelined, branches (vs target-only) | pipelined, branches + prefill overlap "
+             "(vs target-only) | pipelined, branches, overlap auto (vs target-only) | pipelined, branches + prefill overlap "
              "(vs target-only) | pipelined / serial: no branches, branches, + overlap | ceiling: serial rounds "
              "with every draft hidden | identical |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -145,8 +148,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {cell(r, '.2f', 'ceiling_vs_serial')} | {'yes' if r['identical'] else 'NO'} |")
     lines += ["", "| one-way latency | hit rate: no branches, branches, + overlap (of hits, from a branch) "
               "| draft time saved per request: no branches, branches, + overlap | target busy: k=0 / serial / "
-              "pipelined / + overlap | verify compute, draft busy / draft idle |",
-              "|---|---|---|---|---|"]
+              "pipelined / + overlap | verify compute, draft busy / draft idle | turns whose first round "
+              "overlapped: auto, + overlap |",
+              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['one_way_ms']:g} ms "
@@ -155,7 +159,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {cell(r, '.0f', 'pipelined-no-branches_saved_ms_per_request', 'saved_ms_per_request', 'pipelined-overlap_saved_ms_per_request')} ms "
             f"| {r['target-only_target_busy']:.0%} / {r['serial_target_busy']:.0%} / "
             f"{cell(r, '.0%', 'pipelined_target_busy')} / {cell(r, '.0%', 'pipelined-overlap_target_busy')} "
-            f"| {cell(r, '.2f', 'verify_slowdown')}x |")
+            f"| {cell(r, '.2f', 'verify_slowdown')}x "
+            f"| {cell(r, '.0%', 'pipelined_overlapped', 'pipelined-overlap_overlapped')} |")
     return "\n".join(lines) + "\n"
 
 
