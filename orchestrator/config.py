@@ -85,10 +85,10 @@ class SpeculationConfig:
         "Prefill overlap: a turn's first round runs target-only while the draft prefills the new prompt "
         "beside it and pre-drafts round 2 (its first token a guess of the target's), so the first token "
         "does not wait for the draft's prefill. For the `cost` and `bandit` policies with min_k = 0. "
-        "`\"on\"`: when the target has more than 16 tokens to prefill. `\"auto\"`: with `pipeline` on "
-        "only (the two workers on different devices), per turn where the measured costs price it below "
-        "the serial first round (docs/pipelining.md); with `pipeline` off, as `\"off\"`: on one shared "
-        "CPU the two prefills compete for the same cores. `true` / `false` read as `\"on\"` / "
+        "`\"on\"`: when the target has more than 16 tokens to prefill. `\"auto\"`: where this server "
+        "config has `pipeline` on (the two workers on different devices), per turn where the measured "
+        "costs price it below the serial first round (docs/pipelining.md); otherwise as `\"off\"`: on "
+        "one shared CPU the two prefills compete for the same cores. `true` / `false` read as `\"on\"` / "
         "`\"off\"`. Per request: `speculation.overlap_prefill` (true: on, false: off)."))
     guard: bool = field(default=True, metadata=_doc(
         "Pair guard: the worker pair runs in epochs, speculating or target-only for all its sessions at "
@@ -177,11 +177,12 @@ class SpeculationConfig:
         round target-only in its place; a `fixed` or `heuristic` k is what the caller asked for."""
         return self.policy in ("cost", "bandit") and self.min_k == 0
 
-    @property
-    def prefill_overlap(self) -> str:
-        """How turns overlap their first round's prefills, as it applies (see overlap_prefill): "on",
-        "auto" (priced per turn) or "off"."""
-        if not self.picks_target_only or (self.overlap_prefill == "auto" and not self.pipeline):
+    def prefill_overlap_mode(self, devices_apart: bool) -> str:
+        """How this (request's) config overlaps a turn's first round, as it applies (see
+        overlap_prefill): "on", "auto" (priced per turn) or "off". `devices_apart`: the server's own
+        `pipeline` setting, the deployment's word that the workers do not share cores; a request's
+        `pipeline` does not make "auto" act on a co-located pair."""
+        if not self.picks_target_only or (self.overlap_prefill == "auto" and not devices_apart):
             return "off"
         return self.overlap_prefill
 

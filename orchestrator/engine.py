@@ -278,8 +278,9 @@ class GenerationEngine:
                                        params.stop, self.tokenizer.decode)
         round_ = Round(self.workers, session, SamplingConfig(params.temperature, params.top_k, params.top_p, seed),
                        deadline, stop, spec.min_draft_prob, policy.name, pipeline=spec.pipeline, max_k=spec.max_k,
-                       overlap_prefill=spec.prefill_overlap, branches=spec.pipeline_branches,
-                       overlap_pays=lambda rows: overlap_pays(session.stats, rows, spec))
+                       overlap_prefill=spec.prefill_overlap_mode(devices_apart=self.speculation.pipeline),
+                       branches=spec.pipeline_branches,
+                       overlap_pays=lambda rows: overlap_pays(session.stats, rows, spec, stop.remaining))
         stats = GenerationStats(seed=seed, prompt_tokens=prompt_len)
         prior = self.prior_for(session.session_id)
         # The load of the pair the session is on now: after a scale-out moved it, its verifies must
@@ -323,11 +324,12 @@ class GenerationEngine:
         yield GenerationEvent(record.text_delta, list(record.emitted), record.finish, stats, label)
 
 
-def overlap_pays(stats: SessionStats, prompt_rows: int, spec: SpeculationConfig) -> bool:
+def overlap_pays(stats: SessionStats, prompt_rows: int, spec: SpeculationConfig, remaining: int) -> bool:
     """The prefill overlap's per-turn choice ("auto"): priced by the cost model, with the pipelining
-    and branches the turn runs (kpolicy.prefill_overlap_price)."""
+    and branches the turn runs and its token budget (kpolicy.prefill_overlap_price). Under the
+    bandit too, whose prior the cost model is."""
     price = prefill_overlap_price(stats, prompt_rows, spec.min_k, spec.max_k, spec.pipeline,
-                                  spec.pipeline_branches)
+                                  spec.pipeline_branches, remaining)
     if price is None:
         return False
     log.debug("prefill overlap over %d prompt rows: %.0f ms + %.0f ms to make up against %.0f ms serial (k=%d): %s",

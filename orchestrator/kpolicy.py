@@ -453,6 +453,13 @@ class SessionStats:
             self.bonus_match.update(1.0 if record.predraft_hit else 0.0)
         if record.predraft_branch_hit is not None:
             self.branch_match.update(1.0 if record.predraft_branch_hit else 0.0)
+        if getattr(record, "overlapped", False):
+            # The prefill overlap ran this round at k = 0 beside the draft's prefill: not the policy
+            # choosing target-only (which relaxes the acceptance and makes the next drafting round a
+            # probe). It says nothing about acceptance or a k's speed.
+            self.rounds += 1
+            self.last_k, self.last_accepted = 0, 0
+            return
         self.observe_round(record.drafted, record.accepted, record.round_ms if record.steady else None, record.k)
 
     def observe_round(self, k: int, accepted: int, round_ms: float | None = None, chosen_k: int | None = None) -> None:
@@ -720,7 +727,8 @@ class OverlapPrice:
 
 
 def prefill_overlap_price(stats: SessionStats, prefill_rows: int, min_k: int, max_k: int,
-                          pipelined: bool = False, branches: int = 0) -> OverlapPrice | None:
+                          pipelined: bool = False, branches: int = 0,
+                          remaining: int | None = None) -> OverlapPrice | None:
     """Price the prefill overlap for a turn's first round over `prefill_rows` new prompt tokens
     (rounds.Round, overlap_prefill "auto"). None where there is nothing to price: no k > 0 pays, or
     no forward-cost curve of either worker (calibration skipped).
@@ -732,12 +740,15 @@ def prefill_overlap_price(stats: SessionStats, prefill_rows: int, min_k: int, ma
     beside it; round 2 waits for the later of the two: max(T(P) + rtt, D(P) + k·t_draft + draft
     rtt). The overlap pays where that, plus the time the steady rounds need for the E(k1) - 1
     tokens it did not make (at the steady rate of the best k), is less than the serial round: where
-    the draft's prefill and drafts are dear against the target's prefill. T is the target's rows
-    curve (as measured in service where seen), D the draft's startup curve scaled by how its
-    per-token cost now compares with the curve's one-row cost (a draft slowed by a neighbour is
-    slower at prefill too). Left out, in the serial round's favour: round 2 after the overlap is a
-    pre-draft hit when the guess of one token was right, while after a serial round it needs all
-    k1 accepted and the bonus guessed."""
+    the draft's prefill and drafts are dear against the target's prefill. k is the steady best k
+    (the policy's pick for the overlapped round, which only sizes the pre-draft), k1 and k within
+    the turn's `remaining` tokens as the rounds clamp them. T is the target's rows curve (as
+    measured in service where seen), D the draft's startup curve scaled by how its per-token cost
+    now compares with the curve's one-row cost (a draft slowed by a neighbour is slower at prefill
+    too). Left out, both in the serial round's favour: round 2 after the overlap is a pre-draft hit
+    when the guess of one token was right, while after a serial round it needs all k1 accepted and
+    the bonus guessed; and where the draft's side is the longer, its k drafts are round 2's, which
+    then drafts nothing, while the steady rate that prices the make-up assumes rounds that draft."""
     t = stats.timing
     lo = max(1, min_k)
     if max_k < lo:
@@ -752,10 +763,13 @@ def prefill_overlap_price(stats: SessionStats, prefill_rows: int, min_k: int, ma
     speed = min(2.0, max(0.5, per_token / draft_one))
     draft_prompt = (curves.extended(t.draft_curve, prefill_rows) or draft_one) * speed
     k_serial = prefill_round_k(stats, lo, best, prefill_rows, rates[best])
+    depth = best
+    if remaining is not None:  # as the rounds clamp them: a round's k + 1 tokens, the pre-draft's k + 1
+        k_serial, depth = max(1, min(k_serial, remaining - 1)), max(0, min(best, remaining - 2))
     target_serial = t.load.forward_ms(prefill_rows + k_serial) or target_prompt
     serial = (draft_prompt + (k_serial - 1) * per_token + t.draft_rtt_ms.value
               + target_serial + t.rtt_ms.value)
-    overlap = max(target_prompt + t.rtt_ms.value, draft_prompt + best * per_token + t.draft_rtt_ms.value)
+    overlap = max(target_prompt + t.rtt_ms.value, draft_prompt + depth * per_token + t.draft_rtt_ms.value)
     make_up = (expected_tokens(stats.acceptance.value, k_serial) - 1.0) / rates[best]
     return OverlapPrice(serial, overlap, make_up, k_serial)
 

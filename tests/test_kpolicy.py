@@ -497,7 +497,7 @@ def test_the_prefill_overlap_is_priced_against_the_serial_first_round() -> None:
     """"auto" overlaps a turn's first round where the draft's prefill and drafts on the critical path
     cost more than the overlap's round (the target's prefill alone) plus the time the steady rounds
     need for the tokens that round did not make; not where the draft prefills cheaply."""
-    dear = overlap_stats(((1, 45.0), (2, 48.0), (16, 80.0), (64, 600.0)))   # the draft's prefill: 470 ms at 48
+    dear = overlap_stats(((1, 45.0), (2, 48.0), (16, 80.0), (64, 600.0)))   # the draft's prefill: 427 ms at 48
     cheap = overlap_stats(((1, 45.0), (2, 46.0), (64, 60.0)))               # ... 56 ms (a GPU-like draft)
     for pipelined in (False, True):
         price = prefill_overlap_price(dear, 48, 0, 8, pipelined, 2)
@@ -510,9 +510,20 @@ def test_the_prefill_overlap_is_priced_against_the_serial_first_round() -> None:
         assert price.overlap == pytest.approx(t.load.forward_ms(48) + t.rtt_ms.value)  # the draft ends first
         assert price.make_up == pytest.approx((expected_tokens(0.8, price.k_serial) - 1) / rate)
         assert not prefill_overlap_price(cheap, 48, 0, 8, pipelined, 2).pays
-    # A draft running twice as slow as its startup curve (a neighbour on its device) prefills slower too.
+    # A draft running twice as slow as its startup curve (a neighbour on its device) prefills slower
+    # too: the same k's serial round costs the prompt's draft forward twice (and its drafts twice).
     slowed = overlap_stats(((1, 45.0), (2, 46.0), (64, 60.0)), draft_ms=90.0)
-    assert prefill_overlap_price(slowed, 48, 0, 8).serial > prefill_overlap_price(cheap, 48, 0, 8).serial + 56.0
+    fast, slow = prefill_overlap_price(cheap, 48, 0, 8), prefill_overlap_price(slowed, 48, 0, 8, remaining=3)
+    d48 = 46.0 + (60.0 - 46.0) * 46 / 62
+    assert slow.k_serial == 2 and slow.serial == pytest.approx(
+        2 * d48 + 90.0 + slowed.timing.draft_rtt_ms.value + slowed.timing.load.forward_ms(50)
+        + slowed.timing.rtt_ms.value)
+    # The turn's token budget clamps the serial round's k1 (a round makes k + 1) and the pre-draft's k.
+    short = prefill_overlap_price(dear, 48, 0, 8, remaining=2)
+    assert fast.k_serial > 1 and short.k_serial == 1
+    assert short.overlap == pytest.approx(dear.timing.load.forward_ms(48) + 1.0)  # the pre-draft: 0 past the guess
+    rate = max(CostModelPolicy.tokens_per_ms(dear, k) for k in range(9))
+    assert short.make_up == pytest.approx(0.8 / rate)  # E(1) - 1 = a tokens not made by the overlap's round
     # Nothing to price: no curve (calibration skipped), or no k > 0 pays (the first round is k = 0 anyway).
     assert prefill_overlap_price(overlap_stats(()), 48, 0, 8) is None
     no_rows = overlap_stats(((1, 45.0), (64, 600.0)))
@@ -520,3 +531,21 @@ def test_the_prefill_overlap_is_priced_against_the_serial_first_round() -> None:
     assert prefill_overlap_price(no_rows, 48, 0, 8) is None
     assert prefill_overlap_price(overlap_stats(((1, 45.0), (64, 600.0)), a=0.02), 48, 0, 8) is None
     assert prefill_overlap_price(dear, 48, 0, 0) is None
+
+
+def test_an_overlapped_first_round_is_not_the_policy_choosing_target_only() -> None:
+    """The prefill overlap runs a turn's first round at k = 0; the policy had chosen to draft. Its
+    record must not relax the acceptance towards the long-run rate nor make round 2 a probe."""
+    from types import SimpleNamespace
+    s = stats_with(0.9)
+    s.typical.value = 0.5
+    record = SimpleNamespace(draft_token_ms=0.0, target_prefilled=48, verify_ms=900.0, target_rows=48.0,
+                             target_batch=1.0, target_waiting=0, verify_wall_ms=901.0, draft_wall_ms=0.0,
+                             draft_ms=0.0, predraft_hit=None, predraft_branch_hit=None, drafted=0, accepted=0,
+                             round_ms=901.0, steady=False, k=0, overlapped=True)
+    s.observe(record)
+    assert s.acceptance.value == pytest.approx(0.9) and s.rounds_since_draft == 0 and s.rounds == 1
+    CostModelPolicy(probe_every=0).next_k(s, 0, 8)
+    assert s.failed_probes == 0
+    s.observe(SimpleNamespace(**{**vars(record), "overlapped": False}))  # a k = 0 round the policy chose
+    assert s.acceptance.value < 0.9 and s.rounds_since_draft == 1

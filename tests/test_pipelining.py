@@ -291,18 +291,46 @@ def test_netbench_summary_ratios_hit_rate_and_identity() -> None:
     (row,) = summarize(runs)
     assert row["serial_vs_target_only"] == pytest.approx(1.5)
     assert row["pipelined_vs_serial"] == pytest.approx(statistics.median([2.0 / 1.5, 2.0]))
-    assert row["hit_rate"] == pytest.approx(0.5) and row["identical"]
-    assert row["branch_hit_share"] == pytest.approx(0.25)
+    assert row["pipelined_hit_rate"] == pytest.approx(0.5) and row["identical"]
+    assert row["pipelined_branch_hit_share"] == pytest.approx(0.25)
     assert row["serial_target_busy"] == pytest.approx(0.5)
     assert "| 10 ms |" in markdown([row]) and "pipelined-no-branches_tok_s" not in row
+    assert "no branches" not in markdown([row])  # a column per system that ran
     runs += [run("pipelined-no-branches", "a", 2.0, 1, 3), run("pipelined-no-branches", "b", 2.0, 1, 1)]
     (row,) = summarize(runs)
     assert row["pipelined-no-branches_vs_serial"] == pytest.approx(1.0)
     assert row["pipelined-no-branches_hit_rate"] == pytest.approx(2 / 6)
-    assert "| 1.00, 1.67, - |" in markdown([row])
+    text = markdown([row])
+    assert "| pipelined, no branches / serial | pipelined, branches, overlap auto (default) / serial |" in text
+    assert "| 1.00 | 1.67 |" in text and "| 33% (0%), 5 ms, - | 50% (25%), 10 ms, - |" in text
     runs.append(run("pipelined", "c", 1.0, ids=(9,)))
     runs.append(run("target-only", "c", 1.0))
     assert not summarize(runs)[0]["identical"]
+
+
+def test_netbench_repeats_pair_each_run_with_its_own_pass_and_select_systems() -> None:
+    """--repeats: a run is compared with the references on the same prompt in the same pass, and the
+    per-pass medians give the spread; --systems keeps the two references whatever it selects."""
+    from specdec.tools.netbench import selected_systems
+    from specdec.tools.netreport import SYSTEMS, NetRun, markdown, summarize
+
+    def run(system: str, prompt: str, wall: float, repeat: int) -> NetRun:
+        return NetRun(0.0, system, prompt, 30, wall, verify_ms=0.0, hits=0, misses=0, saved_ms=0.0,
+                      token_ids=[1], repeat=repeat)
+    runs = [run("target-only", "a", 3.0, 0), run("serial", "a", 2.0, 0), run("pipelined", "a", 1.0, 0),
+            run("target-only", "a", 3.0, 1), run("serial", "a", 4.0, 1), run("pipelined", "a", 2.0, 1),
+            run("target-only", "b", 3.0, 1), run("serial", "b", 2.0, 1), run("pipelined", "b", 2.0, 1)]
+    (row,) = summarize(runs)
+    # Pass 0: 2.0; pass 1: a 2.0, b 1.0 (paired across passes, a would read 4.0 / 1.0 or 2.0 / 2.0).
+    assert row["pipelined_vs_serial_by_pass"] == [pytest.approx(2.0), pytest.approx(1.5)]
+    assert row["pipelined_vs_serial"] == pytest.approx(2.0) and row["passes"] == 2
+    assert "- 0 ms, pipelined: 2.00, 1.50 (max / min 1.333)" in markdown([row])
+    assert selected_systems(None) == list(SYSTEMS)
+    assert selected_systems("overlap$") == ["target-only", "serial", "pipelined-no-overlap", "pipelined-overlap"]
+    assert selected_systems("^pipelined$") == ["target-only", "serial", "pipelined"]
+    for bad in ("serial", "nothing", "("):
+        with pytest.raises(ValueError, match="--systems"):
+            selected_systems(bad)
 
 
 def test_netbench_ceiling_and_verify_slowdown_from_round_traces(tmp_path) -> None:
@@ -340,7 +368,7 @@ def test_netbench_ceiling_and_verify_slowdown_from_round_traces(tmp_path) -> Non
     runs.append(NetRun(0.0, "target-only", "a", 19, 2.0, 1.0, 0, 0, 0.0, [1]))
     (row,) = summarize(runs)
     assert row["ceiling_vs_serial"] == pytest.approx(ceiling(runs[0]))
-    assert "| 1.16 |" in markdown([row]) and "| 1.15x |" in markdown([row])
+    assert "| 1.16 | yes |" in markdown([row]) and "| 1.15x |" in markdown([row])
 
 
 def test_metrics_count_predraft_outcomes_and_saved_time() -> None:
@@ -474,41 +502,55 @@ async def test_a_request_turns_the_prefill_overlap_on_or_off(server_default: boo
 @pytest.mark.parametrize("pays", [True, False])
 async def test_auto_overlaps_the_first_round_where_the_price_says_so_and_only_when_pipelined(
         pays: bool, monkeypatch) -> None:
-    """overlap_prefill = "auto" (the default): with pipelining on, each turn's first round asks the
-    cost model (kpolicy.prefill_overlap_price, here stubbed) and overlaps where it pays, runs
-    serially where it does not; with pipelining off (one shared device) it never overlaps and never
-    asks. The trace record says which rounds overlapped."""
+    """overlap_prefill = "auto" (the default): where the server's config has pipelining on (the
+    workers on different devices), each turn's first round asks the cost model
+    (kpolicy.prefill_overlap_price, here stubbed) with the turn's own pipelining, branches and token
+    budget, and overlaps where it pays, runs serially where it does not. On a server without
+    pipelining (one shared device) it never overlaps and never asks, whatever the request's
+    pipeline. The round record says which rounds overlapped."""
     import orchestrator.engine as engine_module
     from orchestrator.kpolicy import OverlapPrice
-    asked: list[int] = []
+    asked: list[tuple] = []
 
-    def price(stats, rows, min_k, max_k, pipelined=False, branches=0):
-        asked.append(rows)
+    def price(stats, rows, min_k, max_k, pipelined=False, branches=0, remaining=None):
+        asked.append((rows, pipelined, branches, remaining))
         return OverlapPrice(serial=100.0, overlap=50.0 if pays else 90.0, make_up=20.0, k_serial=2)
     monkeypatch.setattr(engine_module, "prefill_overlap_price", price)
+    # The policy drafts every round (the tiny pair's costs would have it pick k = 0 after a turn).
+    monkeypatch.setattr(CostModelPolicy, "next_k", lambda self, stats, min_k, max_k, prefill_rows=0: 3)
     overlapped: list[bool] = []
 
     class Spy:
         def observe(self, record: RoundRecord) -> None:
             overlapped.append(record.overlapped)
-    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.001")
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.001", speculation=SpeculationConfig(pipeline=True))
     assert stack.orch.engine.speculation.overlap_prefill == "auto"
     stack.orch.engine.observers.append(Spy())
     try:
+        for pipelined in (True, False):  # the request's own pipelining: the server's says the devices are apart
+            asked.clear(), overlapped.clear()
+            reply = await stack.generate(prompt_ids=LONG_PROMPT, max_new_tokens=12,
+                                         speculation={"pipeline": pipelined})
+            assert list(reply.token_ids) == reference_greedy(LONG_PROMPT, 12)
+            s = reply.stats
+            branches = SpeculationConfig().pipeline_branches if pipelined else 2
+            assert asked == [(len(LONG_PROMPT), pipelined, branches, 12)], asked  # once per turn, for its prompt
+            if pays:
+                assert s.k_per_round[0] == 0 and s.predraft_hits + s.predraft_misses >= 1, list(s.k_per_round)
+                assert overlapped[0] and not any(overlapped[1:]), overlapped
+            else:
+                assert s.k_per_round[0] > 0 and not any(overlapped), (list(s.k_per_round), overlapped)
+    finally:
+        await stack.close()
+    if pays:
+        return
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.001")  # the server: pipeline off
+    stack.orch.engine.observers.append(Spy())
+    try:
+        asked.clear(), overlapped.clear()
         reply = await stack.generate(prompt_ids=LONG_PROMPT, max_new_tokens=12, speculation={"pipeline": True})
         assert list(reply.token_ids) == reference_greedy(LONG_PROMPT, 12)
-        s = reply.stats
-        assert asked == [len(LONG_PROMPT)], asked  # once per turn, for its prompt
-        if pays:
-            assert s.k_per_round[0] == 0 and s.predraft_hits + s.predraft_misses >= 1, list(s.k_per_round)
-            assert overlapped[0] and not any(overlapped[1:]), overlapped
-        else:
-            assert s.k_per_round[0] > 0 and not any(overlapped), (list(s.k_per_round), overlapped)
-        asked.clear(), overlapped.clear()
-        serial = await stack.generate(prompt_ids=LONG_PROMPT, max_new_tokens=12)  # pipeline off (the default)
-        assert list(serial.token_ids) == reference_greedy(LONG_PROMPT, 12)
-        assert asked == [] and not any(overlapped), (asked, overlapped)
-        assert serial.stats.predraft_hits == serial.stats.predraft_misses == 0
+        assert asked == [] and overlapped and not any(overlapped), (asked, overlapped)
     finally:
         await stack.close()
 
@@ -742,6 +784,7 @@ def test_netbench_smoke_runs_every_system_and_reads_its_traces(tmp_path) -> None
     config = (tmp_path / "orchestrator.toml").read_text()
     assert "\nguard = false\n" in config  # one guard for all systems: off
     assert '\noverlap_prefill = "auto"\n' in config and "pipelined_overlapped" in row  # what "pipelined" runs
+    assert "\npipeline = true\n" in config  # the workers are apart: "auto" may act
     assert (tmp_path / "logs-0ms" / "orchestrator.log").exists()  # the services' logs stay with the results
 
 

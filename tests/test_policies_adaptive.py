@@ -168,18 +168,18 @@ def test_config_file_rejects_values_of_the_wrong_type(tmp_path: Path, line: str)
 
 def test_the_prefill_overlap_reads_auto_on_off_and_the_old_booleans(tmp_path: Path) -> None:
     """overlap_prefill was a bool before "auto": true / false in a file or a request mean on / off.
-    "auto" applies only with pipelining on (the workers on different devices), and only where the
-    policy may choose k = 0."""
+    "auto" applies only where the server's config has pipelining on (the workers on different
+    devices; a request's pipeline does not count), and only where the policy may choose k = 0."""
     for text, mode in (("true", "on"), ("false", "off"), ("'auto'", "auto"), ("'on'", "on"), ("'off'", "off")):
         path = tmp_path / "spec.toml"
         path.write_text(f"[speculation]\noverlap_prefill = {text}\n")
         assert SpeculationConfig.from_toml(str(path)).overlap_prefill == mode
     auto = SpeculationConfig()
-    assert auto.overlap_prefill == "auto" and auto.prefill_overlap == "off"  # not pipelined
-    assert replace(auto, pipeline=True).prefill_overlap == "auto"
-    assert replace(auto, pipeline=True, min_k=1).prefill_overlap == "off"    # k = 0 is not the policy's
-    assert auto.with_override(SpeculationOverride(overlap_prefill=True)).prefill_overlap == "on"
-    assert replace(auto, pipeline=True).with_override(SpeculationOverride(overlap_prefill=False)).prefill_overlap == "off"
+    assert auto.overlap_prefill == "auto" and auto.prefill_overlap_mode(devices_apart=False) == "off"
+    assert auto.prefill_overlap_mode(devices_apart=True) == "auto"
+    assert replace(auto, min_k=1).prefill_overlap_mode(devices_apart=True) == "off"  # k = 0 is not the policy's
+    assert auto.with_override(SpeculationOverride(overlap_prefill=True)).prefill_overlap_mode(False) == "on"
+    assert auto.with_override(SpeculationOverride(overlap_prefill=False)).prefill_overlap_mode(True) == "off"
     assert 'overlap_prefill = "auto"' in auto.to_toml()
 
 
@@ -251,9 +251,10 @@ def test_shipped_config_files_load(name: str) -> None:
     spec = SpeculationConfig.from_toml(str(Path(__file__).parent.parent / "configs" / name))
     assert spec.policy in ("fixed", "heuristic", "cost", "bandit")
     if name == "embedded-pair-two-devices.toml":  # its `true` reads as "on"
-        assert spec.overlap_prefill == spec.prefill_overlap == "on"
+        assert spec.overlap_prefill == spec.prefill_overlap_mode(devices_apart=False) == "on"
     if name == "embedded-pair-cpu.toml":  # "auto" by default, which without pipelining is off
-        assert spec.overlap_prefill == "auto" and not spec.pipeline and spec.prefill_overlap == "off"
+        assert spec.overlap_prefill == "auto" and not spec.pipeline
+        assert spec.prefill_overlap_mode(devices_apart=spec.pipeline) == "off"
 
 
 async def test_a_session_moved_to_another_target_replica_prices_k_with_that_pairs_load() -> None:

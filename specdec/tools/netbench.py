@@ -2,16 +2,17 @@
 
 The workers run on disjoint CPU sets (taskset, one torch thread each by default) to emulate two
 devices, and the orchestrator adds a one-way delay to every worker call (a gRPC client interceptor;
-the traffic stays on 127.0.0.1). For each one-way latency, five systems run the same prompts,
-round-robin per prompt, in one run:
+the traffic stays on 127.0.0.1). For each one-way latency, six systems run the same prompts,
+round-robin per prompt, in one run (--systems: a subset, beside the first two):
 
   target-only            fixed k = 0
   serial                 the server's k policy, rounds one after the other
   pipelined-no-branches  the same policy, the draft drafting round n+1 during round n's verify
                          on the assumption that round n is fully accepted
-  pipelined              the same, plus branch pre-drafts for the likeliest rejections
-                         (pipeline_branches, the server's default) and the prefill overlap's
-                         default, "auto": priced per turn (docs/pipelining.md)
+  pipelined-no-overlap   the same, plus branch pre-drafts for the likeliest rejections
+                         (pipeline_branches, the server's default)
+  pipelined              the same, plus the prefill overlap's default, "auto": priced per turn
+                         (docs/pipelining.md); the default pipelined configuration
   pipelined-overlap      the same, with the prefill overlap on for every turn: a turn's first round
                          runs target-only while the draft prefills the prompt and pre-drafts round 2
 
@@ -24,8 +25,8 @@ rounds choose their own k) and the **verify slowdown** (the target's compute per
 in pipelined runs, where the draft works beside it, against serial runs, where it is idle; where the
 workers are two cores of one chip they share memory bandwidth and caches, which two devices do not).
 The pair guard is off (netbench_config): its state is per worker pair, and would carry one
-system's measurements into another's rounds. The server's prefill overlap is "auto" (a request can
-turn it on or off, not ask for "auto"), which the "pipelined" system runs.
+system's measurements into another's rounds. The server pipelines, with the prefill overlap "auto"
+(a request can turn it on or off, not ask for "auto"), which the "pipelined" system runs.
 """
 from __future__ import annotations
 
@@ -37,12 +38,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from specdec.embedded import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdec.tools.netreport import SYSTEMS, NetRun, attach_rounds, markdown, plot, summarize
+from specdec.tools.netreport import REFERENCES, SYSTEMS, NetRun, attach_rounds, markdown, plot, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-async def _runs(address: str, latency: float, prompts: list[dict], max_new: int) -> list[NetRun]:
+async def _runs(address: str, latency: float, prompts: list[dict], max_new: int, names: list[str],
+                repeats: int = 1) -> list[NetRun]:
     import grpc
 
     from specdec.tools.client import build_request
@@ -51,8 +53,8 @@ async def _runs(address: str, latency: float, prompts: list[dict], max_new: int)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         await stub.Generate(build_request(prompt_ids=prompts[0]["ids"], max_new_tokens=4), timeout=600)  # warm-up
-        names = list(SYSTEMS)
-        for index, prompt in enumerate(prompts):
+        # Round-robin per prompt (the starting system rotates), pass after pass over the prompts.
+        for index, (repeat, prompt) in enumerate((r, p) for r in range(repeats) for p in prompts):
             order = names[index % len(names):] + names[:index % len(names)]
             for name in order:
                 req = build_request(prompt_ids=prompt["ids"], max_new_tokens=max_new)
@@ -64,21 +66,39 @@ async def _runs(address: str, latency: float, prompts: list[dict], max_new: int)
                 s = reply.stats
                 runs.append(NetRun(latency, name, prompt["id"], s.new_tokens, wall, s.verify_ms, s.predraft_hits,
                                    s.predraft_misses, s.predraft_saved_ms, list(reply.token_ids),
-                                   s.predraft_branch_hits))
-                print(f"  one-way {latency:g} ms, {prompt['id']}, {name}: {runs[-1].tokens_per_s:.2f} tok/s", flush=True)
+                                   s.predraft_branch_hits, repeat=repeat))
+                print(f"  one-way {latency:g} ms, pass {repeat + 1}, {prompt['id']}, {name}: "
+                      f"{runs[-1].tokens_per_s:.2f} tok/s", flush=True)
     return runs
 
+def selected_systems(pattern: str | None) -> list[str]:
+    """The systems a --systems regex selects, in SYSTEMS order, with the two references (target-only,
+    serial) always; ValueError for a bad regex or one that selects nothing else."""
+    import re
+    if pattern is None:
+        return list(SYSTEMS)
+    try:
+        wanted = re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"--systems: not a regex: {exc}") from None
+    chosen = [name for name in SYSTEMS if name not in REFERENCES and wanted.search(name)]
+    if not chosen:
+        raise ValueError(f"--systems {pattern!r} matches none of {', '.join(n for n in SYSTEMS if n not in REFERENCES)}")
+    return [name for name in SYSTEMS if name in REFERENCES or name in chosen]
+
+
 def netbench_config(base: str | None, out: Path) -> Path:
-    """The orchestrator's config for netbench: `base` (or the defaults) with the pair guard off and
-    the prefill overlap "auto". The guard keeps one state per worker pair, so with it on, one
-    system's rounds would decide another's target-only epochs; each system here is one stream
-    comparing a way of running rounds. "auto" is what the "pipelined" system runs (SYSTEMS)."""
+    """The orchestrator's config for netbench: `base` (or the defaults) with the pair guard off, and
+    pipelining on with the prefill overlap "auto", as for workers on different devices (every system
+    but "pipelined" sets both per request, SYSTEMS). The guard keeps one state per worker pair, so
+    with it on, one system's rounds would decide another's target-only epochs; each system here is
+    one stream comparing a way of running rounds."""
     from dataclasses import replace
 
     from orchestrator.config import SpeculationConfig
     spec = SpeculationConfig.from_toml(base) if base else SpeculationConfig()
     path = out / "orchestrator.toml"
-    path.write_text(f"# netbench: {base or 'defaults'}, guard off\n" + replace(spec, guard=False, overlap_prefill="auto").validate().to_toml())
+    path.write_text(f"# netbench: {base or 'defaults'}, guard off\n" + replace(spec, guard=False, pipeline=True, overlap_prefill="auto").validate().to_toml())
     return path
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,9 +118,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibration-s", type=float, default=20.0,
                         help="each worker's startup measuring budget (the workers' own default; with one "
                         "thread each, 10 s left the GEMM-path plans partial)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="passes over the prompts at each latency (the spread between passes is reported)")
+    parser.add_argument("--systems", default=None,
+                        help="regex: run only the systems it matches (target-only and serial, the references, always)")
     parser.add_argument("--smoke", action="store_true", help="tiny random models, 2 prompts, 12 tokens (CI)")
     parser.add_argument("--out", default=str(ROOT / "netbench-out"))
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    try:
+        names = selected_systems(args.systems)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     from specdec.models import load_tokenizer
     from specdec.tools.bench import describe_machine
@@ -131,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         orch_args += ["--trace-file", str(trace)]
         with local_services(args.target, args.draft, args.threads, orch_args, worker_args=worker_args,
                             cpu_sets=cpu_sets, logs_dir=out / f"logs-{latency:g}ms") as address:
-            at = asyncio.run(_runs(address, latency, prompts, args.max_new_tokens))
+            at = asyncio.run(_runs(address, latency, prompts, args.max_new_tokens, names, args.repeats))
         if not attach_rounds(at, trace):
             print(f"  {trace}: sessions do not match the requests; no ceiling or slowdown at {latency:g} ms")
         runs += at
@@ -141,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     header = (f"`{command}` — {time.strftime('%Y-%m-%d %H:%M', time.gmtime(started))} UTC, "
               f"{time.time() - started:.0f} s; target `{args.target}` on CPUs {args.target_cpus}, draft "
               f"`{args.draft}` on CPUs {args.draft_cpus}, {args.threads} torch thread(s) each; {len(prompts)} "
-              f"prompts x {args.max_new_tokens} tokens, greedy; config {config}, pair guard off.\n\nMachine: {machine['cpu']} "
+              f"prompts x {args.max_new_tokens} tokens x {args.repeats} pass(es), greedy; systems: {', '.join(names)}; "
+              f"config {config}, pair guard off.\n\nMachine: {machine['cpu']} "
               f"({machine['cpus']} cpus; flags {machine['flags']}); {machine['gpu']}; torch {machine['torch']}.\n")
     plot(rows, out / "netbench.png")
     text = f"# specdec netbench\n\n{header}\n{markdown(rows)}\n![tok/s against latency](netbench.png)\n"

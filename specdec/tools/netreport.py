@@ -14,9 +14,15 @@ from typing import Any
 SYSTEMS = {"target-only": {"fixed_k": 0},
            "serial": {"pipeline": False, "overlap_prefill": False},
            "pipelined-no-branches": {"pipeline": True, "pipeline_branches": 0, "overlap_prefill": False},
+           "pipelined-no-overlap": {"pipeline": True, "overlap_prefill": False},
            "pipelined": {"pipeline": True},
            "pipelined-overlap": {"pipeline": True, "overlap_prefill": True}}
-PIPELINED = ("pipelined-no-branches", "pipelined", "pipelined-overlap")
+PIPELINED = ("pipelined-no-branches", "pipelined-no-overlap", "pipelined", "pipelined-overlap")
+# What each system is, for the report's column heads.
+LABELS = {"target-only": "target-only", "serial": "serial", "pipelined-no-branches": "pipelined, no branches",
+          "pipelined-no-overlap": "pipelined, branches", "pipelined": "pipelined, branches, overlap auto (default)",
+          "pipelined-overlap": "pipelined, branches, overlap on"}
+REFERENCES = ("target-only", "serial")  # run whatever --systems selects: every ratio is against them
 MIN_ROUNDS_PER_K = 3  # verify_slowdown compares a k only with this many rounds on each side
 
 
@@ -33,6 +39,7 @@ class NetRun:
     saved_ms: float
     token_ids: list[int]
     branch_hits: int = 0
+    repeat: int = 0  # the pass over the prompts (--repeats)
     # The orchestrator's round trace lines of this request (orchestrator.traces.RoundTrace fields).
     rounds: list[dict[str, Any]] = field(default_factory=list)
 
@@ -98,23 +105,28 @@ def summarize(runs: list[NetRun]) -> list[dict[str, Any]]:
     for latency in sorted({r.latency_ms for r in runs}):
         at = [r for r in runs if r.latency_ms == latency]
         by = {name: rs for name in SYSTEMS if (rs := [r for r in at if r.system == name])}
-        base = {r.prompt: r for r in by["target-only"]}
-        serial = {r.prompt: r for r in by["serial"]}
-        row: dict[str, Any] = {"one_way_ms": latency}
+        # Each run against the references on the same prompt in the same pass.
+        base = {(r.prompt, r.repeat): r for r in by["target-only"]}
+        serial = {(r.prompt, r.repeat): r for r in by["serial"]}
+        passes = sorted({r.repeat for r in at})
+        row: dict[str, Any] = {"one_way_ms": latency, "passes": len(passes)}
         for name, rs in by.items():
             row[f"{name}_tok_s"] = statistics.median(r.tokens_per_s for r in rs)
             row[f"{name}_target_busy"] = sum(r.verify_ms for r in rs) / max(1e-9, 1000 * sum(r.wall_s for r in rs))
             row[f"{name}_vs_target_only"] = statistics.median(
-                r.tokens_per_s / base[r.prompt].tokens_per_s for r in rs if r.prompt in base)
+                r.tokens_per_s / base[key].tokens_per_s for r in rs if (key := (r.prompt, r.repeat)) in base)
             if name not in PIPELINED:
                 continue
-            prefix = "" if name == "pipelined" else f"{name}_"
-            row[f"{name}_vs_serial"] = statistics.median(
-                r.tokens_per_s / serial[r.prompt].tokens_per_s for r in rs if r.prompt in serial)
+            ratios = [(r.repeat, r.tokens_per_s / serial[key].tokens_per_s) for r in rs
+                      if (key := (r.prompt, r.repeat)) in serial]
+            row[f"{name}_vs_serial"] = statistics.median(ratio for _, ratio in ratios)
+            if len(passes) > 1:  # the median per pass: the spread between passes is the run's own noise
+                row[f"{name}_vs_serial_by_pass"] = [statistics.median(ratio for rep, ratio in ratios if rep == p)
+                                                    for p in passes if any(rep == p for rep, _ in ratios)]
             hits, misses = sum(r.hits for r in rs), sum(r.misses for r in rs)
-            row[f"{prefix}hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
-            row[f"{prefix}branch_hit_share"] = sum(r.branch_hits for r in rs) / hits if hits else 0.0
-            row[f"{prefix}saved_ms_per_request"] = statistics.mean(r.saved_ms for r in rs)
+            row[f"{name}_hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
+            row[f"{name}_branch_hit_share"] = sum(r.branch_hits for r in rs) / hits if hits else 0.0
+            row[f"{name}_saved_ms_per_request"] = statistics.mean(r.saved_ms for r in rs)
             if all(r.rounds for r in rs):  # (the traces attached)
                 row[f"{name}_overlapped"] = statistics.mean(bool(r.rounds[0].get("overlapped")) for r in rs)
         ceilings = [c for r in by["serial"] if (c := ceiling(r)) is not None]
@@ -124,43 +136,52 @@ def summarize(runs: list[NetRun]) -> list[dict[str, Any]]:
         if slowdown is not None:
             row["verify_slowdown"] = slowdown
         # Greedy: every system must produce the same tokens.
-        row["identical"] = all(r.token_ids == base[r.prompt].token_ids for r in at if r.prompt in base)
+        row["identical"] = all(r.token_ids == base[key].token_ids for r in at if (key := (r.prompt, r.repeat)) in base)
         rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    def cell(r: dict[str, Any], fmt: str, *keys: str) -> str:
-        return ", ".join(format(r[k], fmt) if k in r else "-" for k in keys)
+    """Two tables, one row per latency, a column per system that ran (SYSTEMS order), and the
+    per-pass ratios where the run repeated."""
+    ran = [name for name in SYSTEMS if any(f"{name}_tok_s" in r for r in rows)]
+    piped = [name for name in PIPELINED if name in ran]
+
+    def cell(r: dict[str, Any], fmt: str, key: str, suffix: str = "") -> str:
+        return format(r[key], fmt) + suffix if key in r else "-"
 
     def speed(r: dict[str, Any], name: str) -> str:
         return f"{r[name + '_tok_s']:.2f} ({r[name + '_vs_target_only']:.2f}x)" if name + "_tok_s" in r else "-"
-    lines = ["| one-way latency | target-only tok/s | serial tok/s (vs target-only) | pipelined, no branches "
-             "(vs target-only) | pipelined, branches, overlap auto (vs target-only) | pipelined, branches + prefill overlap "
-             "(vs target-only) | pipelined / serial: no branches, branches, + overlap | ceiling: serial rounds "
-             "with every draft hidden | identical |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    head = ["one-way latency", "target-only tok/s"]
+    head += [f"{LABELS[name]}: tok/s (vs target-only)" for name in ran if name != "target-only"]
+    head += [f"{LABELS[name]} / serial" for name in piped]
+    head += ["ceiling: serial rounds with every draft hidden", "identical"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append(
-            f"| {r['one_way_ms']:g} ms | {r['target-only_tok_s']:.2f} | {speed(r, 'serial')} "
-            f"| {speed(r, 'pipelined-no-branches')} | {speed(r, 'pipelined')} | {speed(r, 'pipelined-overlap')} "
-            f"| {cell(r, '.2f', *(name + '_vs_serial' for name in PIPELINED))} "
-            f"| {cell(r, '.2f', 'ceiling_vs_serial')} | {'yes' if r['identical'] else 'NO'} |")
-    lines += ["", "| one-way latency | hit rate: no branches, branches, + overlap (of hits, from a branch) "
-              "| draft time saved per request: no branches, branches, + overlap | target busy: k=0 / serial / "
-              "pipelined / + overlap | verify compute, draft busy / draft idle | turns whose first round "
-              "overlapped: auto, + overlap |",
-              "|---|---|---|---|---|---|"]
+        cells = [f"{r['one_way_ms']:g} ms", cell(r, ".2f", "target-only_tok_s")]
+        cells += [speed(r, name) for name in ran if name != "target-only"]
+        cells += [cell(r, ".2f", f"{name}_vs_serial") for name in piped]
+        cells += [cell(r, ".2f", "ceiling_vs_serial"), "yes" if r["identical"] else "NO"]
+        lines.append("| " + " | ".join(cells) + " |")
+    head = ["one-way latency"]
+    head += [f"{LABELS[name]}: hit rate (of hits, from a branch), draft time saved per request, "
+             f"turns overlapped" for name in piped]
+    head += ["target busy: " + " / ".join(LABELS[name] for name in ran), "verify compute, draft busy / draft idle"]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append(
-            f"| {r['one_way_ms']:g} ms "
-            f"| {cell(r, '.0%', 'pipelined-no-branches_hit_rate', 'hit_rate', 'pipelined-overlap_hit_rate')} "
-            f"({cell(r, '.0%', 'branch_hit_share')}) "
-            f"| {cell(r, '.0f', 'pipelined-no-branches_saved_ms_per_request', 'saved_ms_per_request', 'pipelined-overlap_saved_ms_per_request')} ms "
-            f"| {r['target-only_target_busy']:.0%} / {r['serial_target_busy']:.0%} / "
-            f"{cell(r, '.0%', 'pipelined_target_busy')} / {cell(r, '.0%', 'pipelined-overlap_target_busy')} "
-            f"| {cell(r, '.2f', 'verify_slowdown')}x "
-            f"| {cell(r, '.0%', 'pipelined_overlapped', 'pipelined-overlap_overlapped')} |")
+        cells = [f"{r['one_way_ms']:g} ms"]
+        cells += [f"{cell(r, '.0%', name + '_hit_rate')} ({cell(r, '.0%', name + '_branch_hit_share')}), "
+                  f"{cell(r, '.0f', name + '_saved_ms_per_request', ' ms')}, {cell(r, '.0%', name + '_overlapped')}"
+                  for name in piped]
+        cells += [" / ".join(cell(r, ".0%", name + "_target_busy") for name in ran),
+                  cell(r, ".2f", "verify_slowdown", "x")]
+        lines.append("| " + " | ".join(cells) + " |")
+    by_pass = [(r["one_way_ms"], name, r[f"{name}_vs_serial_by_pass"]) for r in rows for name in PIPELINED
+               if f"{name}_vs_serial_by_pass" in r]
+    if by_pass:
+        lines += ["", "Pipelined / serial, median over the prompts of each pass (max / min: the spread between passes):", ""]
+        lines += [f"- {latency:g} ms, {name}: {', '.join(f'{v:.2f}' for v in values)} "
+                  f"(max / min {max(values) / min(values):.3f})" for latency, name, values in by_pass]
     return "\n".join(lines) + "\n"
 
 
