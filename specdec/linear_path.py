@@ -338,9 +338,12 @@ class PathChoice:
     copy_checks: list[tuple[str, float, bool]] = field(default_factory=list)
 
     def summary(self) -> str:
+        def copies(label: str) -> str:  # "int4" or "int4 except 896x4864"
+            kind, _, but = label.partition(" except ")
+            return f"{kind} copies" + (f" but {but}'s" if but else "")
         return self._plans_text() + "".join(
-            f" ({kind} copies keep {score:.3f} of the draft's distributions)" if kept
-            else f" ({kind} copies dropped: {score:.3f} overlap)" for kind, score, kept in self.copy_checks)
+            f" ({copies(label)} keep {score:.3f} of the draft's distributions)" if kept
+            else f" ({copies(label)} dropped: {score:.3f} overlap)" for label, score, kept in self.copy_checks)
 
     def _plans_text(self) -> str:
         if not self.plans:
@@ -696,18 +699,21 @@ def copy_rows(choice: PathChoice) -> int:
 
 
 @contextlib.contextmanager
-def copies_only(model: torch.nn.Module, choice: PathChoice) -> Iterator[dict[int, ReducedCopy]]:
+def copies_only(model: torch.nn.Module, choice: PathChoice,
+                reuse: dict[int, ReducedCopy] | None = None) -> Iterator[dict[int, ReducedCopy]]:
     """Within: the choice's reduced copies swapped in alone, every other product on the model's own
     nn.Linear weights (F.linear), which stay as they are; on exit the nn.Linears come back, also
     after an error. What a check of the copies needs before `apply` packs weights for good (packing
     drops the dense weight that another kind of copy would be made from). Yields the copies by id of
-    the nn.Linear they stand for, filled as they are made, for `apply` to reuse."""
+    the nn.Linear they stand for, filled as they are made, for `apply` to reuse. `reuse`: copies of
+    the same kind made before (by id of the nn.Linear), taken instead of making them again."""
     swapped: list[tuple[torch.nn.Module, str, torch.nn.Linear]] = []
     made: dict[int, ReducedCopy] = {}
     try:
         for parent, name, child, plan in _planned_linears(model, choice):
             if plan.reduced_rows:
-                path = PathLinear(child, ShapePlan(reduced_rows=plan.reduced_rows, reduced_kind=plan.reduced_kind))
+                path = PathLinear(child, ShapePlan(reduced_rows=plan.reduced_rows, reduced_kind=plan.reduced_kind),
+                                  (reuse or {}).get(id(child)))
                 setattr(parent, name, path)
                 swapped.append((parent, name, child))
                 made[id(child)] = path.reduced  # type: ignore[assignment]
@@ -715,6 +721,90 @@ def copies_only(model: torch.nn.Module, choice: PathChoice) -> Iterator[dict[int
     finally:
         for parent, name, child in swapped:
             setattr(parent, name, child)
+
+
+PARTIAL_CHECKS = 2  # checks of a kind's copies on fewer shapes, once its whole plan failed
+
+
+def without_copies_on(choice: PathChoice, shapes: set[tuple[int, int]]) -> PathChoice:
+    """The same choice with no copies for these shapes (their other path at every row count)."""
+    return dataclasses.replace(choice, plans={
+        shape: dataclasses.replace(plan, reduced_rows=0, reduced_kind=None) if shape in shapes else plan
+        for shape, plan in choice.plans.items()})
+
+
+@torch.inference_mode()
+def copy_errors(model: torch.nn.Module, choice: PathChoice, copies: dict[int, ReducedCopy],
+                tokens: int = 16) -> dict[tuple[int, int], float]:
+    """Per shape with copies: how far its copies' products are from the weights' own, relative, on the
+    inputs the model's own forward over `tokens` seeded token ids gives each nn.Linear (mean over the
+    layers). Real inputs, not random ones: a layer whose inputs carry a few large channels (an MLP's
+    down projection) loses most where its copy's error meets those channels. {} where the model is no
+    causal LM with a config.vocab_size (nothing to rank by)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not vocab:
+        return {}
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = []
+    planned = [(child, copies[id(child)]) for _, _, child, plan in _planned_linears(model, choice)
+               if plan.reduced_rows and id(child) in copies]
+    for child, _ in planned:
+        hooks.append(child.register_forward_pre_hook(
+            lambda module, args, key=id(child): inputs.setdefault(key, args[0].reshape(-1, module.in_features))))
+    device = next(model.parameters()).device
+    ids = torch.randint(0, max(1, vocab // 2), (1, tokens), generator=torch.Generator().manual_seed(2)).to(device)
+    try:
+        model(input_ids=ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    errors: dict[tuple[int, int], list[float]] = {}
+    for child, copy in planned:
+        x = inputs.get(id(child))
+        if x is None:
+            continue
+        ref = F.linear(x, child.weight, child.bias).float()
+        got = reduced_linear(x, *copy).float()
+        errors.setdefault((child.out_features, child.in_features), []).append(
+            ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item())
+    return {shape: sum(v) / len(v) for shape, v in errors.items()}
+
+
+def _fewer_shapes(model: torch.nn.Module, kind: str, choice: PathChoice, check: Callable[[int], float],
+                  min_score: float,
+                  checks: list[tuple[str, float, bool]]) -> tuple[PathChoice | None, dict[int, ReducedCopy] | None]:
+    """A kind whose copies failed the check on all their shapes, tried without the copies of the shape
+    whose products they change most, then also the next (copy_errors), while a shape keeps copies, up
+    to PARTIAL_CHECKS checks: (the choice and its copies) of the first that passes, else (None, None).
+    Each check is recorded in `checks` as "<kind> except <shapes>". The copies are made once here
+    (the failed check's were let go while the next kind was measured) and reused by every trial."""
+    with copies_only(model, choice) as made:
+        pass  # made, and the nn.Linears back
+    try:
+        errors = copy_errors(model, choice, made)
+        ranked = sorted(errors, key=errors.get, reverse=True)  # type: ignore[arg-type]
+        dropped: set[tuple[int, int]] = set()
+        for shape in ranked[:PARTIAL_CHECKS]:
+            dropped.add(shape)
+            trial = without_copies_on(choice, dropped)
+            rows = copy_rows(trial)
+            if not rows:
+                break
+            with copies_only(model, trial, reuse=made) as kept:
+                score = check(rows)
+            label = f"{kind} except " + ", ".join(f"{out}x{inp}" for out, inp in sorted(dropped))
+            checks.append((label, score, score >= min_score))
+            if score >= min_score:
+                log.info("the %s weight copies but the %s weights' (their products' relative error %s) keep %.3f "
+                         "of the model's token distributions", kind, label.partition(" except ")[2],
+                         ", ".join(f"{errors[s]:.3f}" for s in sorted(dropped)), score)
+                return trial, kept
+            log.warning("the %s weight copies but the %s weights' keep %.3f of the model's token distributions "
+                        "(under %.2f)", kind, label.partition(" except ")[2], score, min_score)
+            kept.clear()
+        return None, None
+    finally:
+        made.clear()  # the copies kept, if any, are the trial's (the same objects)
 
 
 def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float, reduced_kinds: tuple[str, ...] = (),
@@ -725,14 +815,19 @@ def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float, reduce
     models.reduced_copy_kinds). Each is measured in turn (with a budget of its own: a fallback can
     double the time measuring takes) until one is kept. A kind is passed over where its copies win
     no shape's timing, or where `check` is given and check(rows of the copies), run with the copies
-    alone swapped in (copies_only), scores below `min_score` (a WARNING). Where no kind is kept, the
-    first measurement's plan runs, without its copies."""
+    alone swapped in (copies_only), scores below `min_score` (a WARNING). Where no kind is kept on
+    all its shapes, each is tried on fewer (`_fewer_shapes`: without the shapes whose products its
+    copies change most, at most PARTIAL_CHECKS more checks a kind): which shapes a budget-bound
+    measurement reached decided whether the draft ran with copies at all (seen: 0.879 with three
+    shapes, 0.944 with two, in two startups of the same draft). Where none is kept, the first
+    measurement's plan runs, without its copies."""
     device = next(model.parameters()).device
     if device.type != "cpu" or budget_s <= 0:
         return PathChoice()
     kinds: tuple[str | None, ...] = reduced_kinds or (None,)
     checks: list[tuple[str, float, bool]] = []
     seconds, first, kept, copies = 0.0, None, None, None
+    failed: list[tuple[str, PathChoice]] = []  # kinds whose copies failed the check on all their shapes
     for i, kind in enumerate(kinds):
         choice = measure(model, max_m, budget_s, reduced_kind=kind)
         seconds += choice.seconds
@@ -753,8 +848,20 @@ def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float, reduce
             kept, copies = choice, made
             break
         log.warning("the %s weight copies keep %.3f of the model's token distributions (under %.2f): %s", kind,
-                    score, min_score, "measuring the next kind" if i + 1 < len(kinds) else "running without copies")
+                    score, min_score, "measuring the next kind" if i + 1 < len(kinds) else "trying fewer shapes")
+        failed.append((kind, choice))  # type: ignore[arg-type]
         made.clear()  # not held while the next kind is measured
+    # No kind kept on all its shapes: each, in turn, without the copies of the shapes whose products
+    # they change most (copy_errors), a shape at a time, at most PARTIAL_CHECKS checks a kind.
+    for kind, choice in failed if kept is None else ():
+        started = time.monotonic()
+        kept, copies = _fewer_shapes(model, kind, choice, check, min_score, checks)  # type: ignore[arg-type]
+        seconds += time.monotonic() - started
+        if kept is not None:
+            break
+    if failed and kept is None:
+        log.warning("no kind of weight copy kept the model's token distributions on any shapes tried: running "
+                    "without copies")
     assert first is not None  # kinds is never empty
     choice = kept if kept is not None else without_reduced(first)
     if choice is not first:

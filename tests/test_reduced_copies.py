@@ -143,7 +143,8 @@ def test_calibrate_drops_copies_that_lose_the_draft_s_distributions(monkeypatch:
                         lambda model, vocab, rows: checked.append(rows) or overlap)
     core = WorkerCore(load_model("tiny:seed=0", torch.bfloat16), "draft")
     calibrate(core, max_k=3, budget_s=10, reduced_kind="int4")
-    assert checked == [4]
+    # Dropped: then tried on fewer shapes, PARTIAL_CHECKS more checks.
+    assert checked == [4] * (1 if kept else 1 + linear_path.PARTIAL_CHECKS)
     assert bool(_copies(core.model)) is kept
     assert ("int4 copy at M=1-4" in core.gemm_path) is kept
     assert (f"keep {overlap:.3f}" if kept else f"dropped: {overlap:.3f} overlap") in core.gemm_path
@@ -229,8 +230,9 @@ def test_when_every_kind_of_copy_fails_the_draft_runs_its_first_plan_without_cop
     core = WorkerCore(load_model("tiny:seed=0"), "draft")
     with caplog.at_level("WARNING"):
         calibrate(core, max_k=3, budget_s=10, reduced_kind=("int4", "bf16"))
-    assert checked == [4, 4] and not _copies(core.model)
+    assert checked == [4] * (2 + 2 * linear_path.PARTIAL_CHECKS) and not _copies(core.model)  # all, then fewer shapes
     assert "int4 copies dropped: 0.500" in core.gemm_path and "bf16 copies dropped: 0.500" in core.gemm_path
+    assert "int4 copies but " in core.gemm_path and "bf16 copies but " in core.gemm_path
     assert "the draft runs without weight copies" in caplog.text and "running without copies" in caplog.text
     with torch.inference_mode():
         core.model(input_ids=torch.tensor([[1]]))
@@ -326,3 +328,65 @@ def test_a_large_layer_timed_on_a_slice_gets_no_int4_copy_where_the_whole_does_n
     assert any(plan.reduced_rows for plan in choice.plans.values())  # the shapes that fit have theirs
     with torch.inference_mode():
         model(input_ids=torch.tensor([[1]]))
+
+
+def test_copy_errors_rank_the_shape_whose_copies_change_its_products_most() -> None:
+    """The products of each shape's copies against the weights' own, on the inputs the model's own
+    forward gives each layer: a shape whose copies are wrong (zeros here) ranks first."""
+    model = load_model("tiny:seed=0").model
+    choice = linear_path.measure(model, max_m=2, budget_s=60, reps=1, allow_packing=False)
+    for shape in choice.plans:
+        choice.plans[shape] = linear_path.ShapePlan(reduced_rows=2, reduced_kind="bf16")
+    with linear_path.copies_only(model, choice) as made:
+        pass
+    errors = linear_path.copy_errors(model, choice, made)
+    assert set(errors) == set(choice.plans) and max(errors.values()) < 0.05  # bf16: about 2^-8 relative
+    broken = sorted(choice.plans)[0]
+    for _, _, child, _ in linear_path._planned_linears(model, choice):
+        if (child.out_features, child.in_features) == broken:
+            weight, bias = made[id(child)]
+            made[id(child)] = (torch.zeros_like(weight), bias)
+    errors = linear_path.copy_errors(model, choice, made)
+    assert max(errors, key=errors.get) == broken and errors[broken] == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_kind_that_fails_on_all_its_shapes_is_kept_without_the_one_that_loses_most(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Which shapes a budget-bound measurement reached decided whether the draft ran with copies at
+    all (two startups of the same draft: 0.879 with three shapes, 0.944 with two). A kind whose copies
+    fail the check on all their shapes is checked again without the shape whose products they change
+    most (copy_errors), then also the next; the first subset that passes is kept."""
+    monkeypatch.setattr(linear_path, "best_ms", _copy_wins_up_to(2))
+    model = load_model("tiny:seed=0").model
+    shapes = sorted({(m.out_features, m.in_features) for m in model.modules() if type(m) is torch.nn.Linear})
+    culprit, second = shapes[-1], shapes[0]
+    monkeypatch.setattr(linear_path, "copy_errors",
+                        lambda model, choice, copies: {s: 0.5 if s == culprit else 0.1 if s == second else 0.01
+                                                       for s, p in choice.plans.items() if p.reduced_rows})
+
+    def check(rows: int) -> float:  # fails while the culprit's copies are in
+        copied = {(m.out_features, m.in_features) for m in _copies(model)}
+        return 0.5 if culprit in copied else 0.95
+    with caplog.at_level("INFO", logger="specdec.linear_path"):
+        choice = linear_path.choose_and_apply(model, 2, 10.0, reduced_kinds=("bf16",), check=check, min_score=0.9)
+    label = f"bf16 except {culprit[0]}x{culprit[1]}"
+    assert choice.copy_checks == [("bf16", 0.5, False), (label, 0.95, True)]
+    copied = {(m.out_features, m.in_features) for m in _copies(model)}
+    assert copied == set(shapes) - {culprit} and not choice.plans[culprit].reduced_rows
+    assert f"bf16 copies but {culprit[0]}x{culprit[1]}'s keep 0.950" in choice.summary()
+    assert "trying fewer shapes" in caplog.text
+    # Where dropping the first is not enough, the next goes too; PARTIAL_CHECKS at most.
+    model = load_model("tiny:seed=0").model
+    calls: list[int] = []
+
+    def stricter(rows: int) -> float:
+        copied = {(m.out_features, m.in_features) for m in _copies(model)}
+        calls.append(len(copied))
+        return 0.5 if {culprit, second} & copied else 0.95
+    choice = linear_path.choose_and_apply(model, 2, 10.0, reduced_kinds=("bf16",), check=stricter, min_score=0.9)
+    assert [kept for _, _, kept in choice.copy_checks] == [False, False, True] and calls == sorted(calls, reverse=True)
+    assert {(m.out_features, m.in_features) for m in _copies(model)} == set(shapes) - {culprit, second}
+    model = load_model("tiny:seed=0").model
+    choice = linear_path.choose_and_apply(model, 2, 10.0, reduced_kinds=("bf16",), check=lambda rows: 0.5,
+                                          min_score=0.9)
+    assert len(choice.copy_checks) == 1 + linear_path.PARTIAL_CHECKS and not _copies(model)
