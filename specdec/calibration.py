@@ -131,7 +131,8 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
     copy (int4, bf16) a draft's few-row products may run on, or several in order of preference
     (models.reduced_copy_kinds); copies that keep less than MIN_REDUCED_OVERLAP of the draft's
     distributions (reduced_overlap), or that win no shape's timing, give way to the next kind (measured
-    with half the budget again), else the draft runs without copies.
+    with half the budget again), then to each kind on fewer shapes (linear_path._fewer_shapes), else
+    the draft runs without copies.
 
     The draft forwards 1 token per drafting step and up to 2 on catch-up; the target verifies up to
     max_k + 1. Contexts: a short and a longer prompt, the second only as far as the budget allows.

@@ -334,13 +334,14 @@ class PathChoice:
     timings: dict[tuple[int, int], dict[str, dict[int, float]]] = field(default_factory=dict)
     seconds: float = 0.0
     complete: bool = True
-    # Each kind of copy checked (choose_and_apply's `check`), in order: (kind, score, kept).
+    # Each kind of copy checked (choose_and_apply's `check`), in order: (label, score, kept), the
+    # label a kind, or "<kind> except <shapes>" for one checked on fewer shapes (_fewer_shapes).
     copy_checks: list[tuple[str, float, bool]] = field(default_factory=list)
 
     def summary(self) -> str:
-        def copies(label: str) -> str:  # "int4" or "int4 except 896x4864"
-            kind, _, but = label.partition(" except ")
-            return f"{kind} copies" + (f" but {but}'s" if but else "")
+        def copies(label: str) -> str:  # "int4" or "int4 except 896x4864, 4864x896"
+            kind, _, without = label.partition(" except ")
+            return f"{kind} copies" + (f" without those of {without}" if without else "")
         return self._plans_text() + "".join(
             f" ({copies(label)} keep {score:.3f} of the draft's distributions)" if kept
             else f" ({copies(label)} dropped: {score:.3f} overlap)" for label, score, kept in self.copy_checks)
@@ -737,23 +738,25 @@ def without_copies_on(choice: PathChoice, shapes: set[tuple[int, int]]) -> PathC
 def copy_errors(model: torch.nn.Module, choice: PathChoice, copies: dict[int, ReducedCopy],
                 tokens: int = 16) -> dict[tuple[int, int], float]:
     """Per shape with copies: how far its copies' products are from the weights' own, relative, on the
-    inputs the model's own forward over `tokens` seeded token ids gives each nn.Linear (mean over the
-    layers). Real inputs, not random ones: a layer whose inputs carry a few large channels (an MLP's
-    down projection) loses most where its copy's error meets those channels. {} where the model is no
-    causal LM with a config.vocab_size (nothing to rank by)."""
+    inputs the model's own forward over `tokens` seeded token ids gives each nn.Linear (its first
+    call; mean over the layers). Real inputs, not random ones: activations carry a few large
+    channels, where a copy's error costs most, which random inputs would not show. {} where the
+    model is no causal LM with a config.vocab_size (nothing to rank by)."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if not vocab:
         return {}
     inputs: dict[int, torch.Tensor] = {}
-    hooks = []
     planned = [(child, copies[id(child)]) for _, _, child, plan in _planned_linears(model, choice)
                if plan.reduced_rows and id(child) in copies]
-    for child, _ in planned:
-        hooks.append(child.register_forward_pre_hook(
-            lambda module, args, key=id(child): inputs.setdefault(key, args[0].reshape(-1, module.in_features))))
+
+    def keep_input(module: torch.nn.Module, args: tuple) -> None:  # None: the input goes on as it was
+        inputs.setdefault(id(module), args[0].reshape(-1, module.in_features))
     device = next(model.parameters()).device
     ids = torch.randint(0, max(1, vocab // 2), (1, tokens), generator=torch.Generator().manual_seed(2)).to(device)
+    hooks = []
     try:
+        for child, _ in planned:
+            hooks.append(child.register_forward_pre_hook(keep_input))
         model(input_ids=ids, use_cache=False)
     finally:
         for hook in hooks:
@@ -778,11 +781,20 @@ def _fewer_shapes(model: torch.nn.Module, kind: str, choice: PathChoice, check: 
     to PARTIAL_CHECKS checks: (the choice and its copies) of the first that passes, else (None, None).
     Each check is recorded in `checks` as "<kind> except <shapes>". The copies are made once here
     (the failed check's were let go while the next kind was measured) and reused by every trial."""
-    with copies_only(model, choice) as made:
-        pass  # made, and the nn.Linears back
+    made: dict[int, ReducedCopy] = {}
     try:
-        errors = copy_errors(model, choice, made)
+        with copies_only(model, choice) as made:
+            pass  # made, and the nn.Linears back
+        try:
+            errors = copy_errors(model, choice, made)
+        except Exception as exc:  # a ranking that fails leaves the draft as before: without copies
+            log.warning("could not rank the %s copies' shapes (%s: %s): not trying fewer shapes", kind,
+                        type(exc).__name__, exc)
+            return None, None
         ranked = sorted(errors, key=errors.get, reverse=True)  # type: ignore[arg-type]
+        if len(ranked) < 2:
+            log.info("the %s copies are on %d shape(s) ranked: no fewer shapes to try", kind, len(ranked))
+            return None, None
         dropped: set[tuple[int, int]] = set()
         for shape in ranked[:PARTIAL_CHECKS]:
             dropped.add(shape)
@@ -794,13 +806,14 @@ def _fewer_shapes(model: torch.nn.Module, kind: str, choice: PathChoice, check: 
                 score = check(rows)
             label = f"{kind} except " + ", ".join(f"{out}x{inp}" for out, inp in sorted(dropped))
             checks.append((label, score, score >= min_score))
+            without = label.partition(" except ")[2]
             if score >= min_score:
-                log.info("the %s weight copies but the %s weights' (their products' relative error %s) keep %.3f "
-                         "of the model's token distributions", kind, label.partition(" except ")[2],
+                log.info("the %s weight copies without those of %s (dropped: relative product error %s) keep %.3f "
+                         "of the model's token distributions", kind, without,
                          ", ".join(f"{errors[s]:.3f}" for s in sorted(dropped)), score)
                 return trial, kept
-            log.warning("the %s weight copies but the %s weights' keep %.3f of the model's token distributions "
-                        "(under %.2f)", kind, label.partition(" except ")[2], score, min_score)
+            log.warning("the %s weight copies without those of %s keep %.3f of the model's token distributions "
+                        "(under %.2f)", kind, without, score, min_score)
             kept.clear()
         return None, None
     finally:

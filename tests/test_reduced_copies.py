@@ -232,7 +232,7 @@ def test_when_every_kind_of_copy_fails_the_draft_runs_its_first_plan_without_cop
         calibrate(core, max_k=3, budget_s=10, reduced_kind=("int4", "bf16"))
     assert checked == [4] * (2 + 2 * linear_path.PARTIAL_CHECKS) and not _copies(core.model)  # all, then fewer shapes
     assert "int4 copies dropped: 0.500" in core.gemm_path and "bf16 copies dropped: 0.500" in core.gemm_path
-    assert "int4 copies but " in core.gemm_path and "bf16 copies but " in core.gemm_path
+    assert "int4 copies without those of " in core.gemm_path and "bf16 copies without those of " in core.gemm_path
     assert "the draft runs without weight copies" in caplog.text and "running without copies" in caplog.text
     with torch.inference_mode():
         core.model(input_ids=torch.tensor([[1]]))
@@ -373,7 +373,7 @@ def test_a_kind_that_fails_on_all_its_shapes_is_kept_without_the_one_that_loses_
     assert choice.copy_checks == [("bf16", 0.5, False), (label, 0.95, True)]
     copied = {(m.out_features, m.in_features) for m in _copies(model)}
     assert copied == set(shapes) - {culprit} and not choice.plans[culprit].reduced_rows
-    assert f"bf16 copies but {culprit[0]}x{culprit[1]}'s keep 0.950" in choice.summary()
+    assert f"bf16 copies without those of {culprit[0]}x{culprit[1]} keep 0.950" in choice.summary()
     assert "trying fewer shapes" in caplog.text
     # Where dropping the first is not enough, the next goes too; PARTIAL_CHECKS at most.
     model = load_model("tiny:seed=0").model
@@ -384,9 +384,29 @@ def test_a_kind_that_fails_on_all_its_shapes_is_kept_without_the_one_that_loses_
         calls.append(len(copied))
         return 0.5 if {culprit, second} & copied else 0.95
     choice = linear_path.choose_and_apply(model, 2, 10.0, reduced_kinds=("bf16",), check=stricter, min_score=0.9)
-    assert [kept for _, _, kept in choice.copy_checks] == [False, False, True] and calls == sorted(calls, reverse=True)
+    n = len(shapes)  # every shape took copies (the copy wins every timing)
+    assert [kept for _, _, kept in choice.copy_checks] == [False, False, True] and calls == [n, n - 1, n - 2]
     assert {(m.out_features, m.in_features) for m in _copies(model)} == set(shapes) - {culprit, second}
     model = load_model("tiny:seed=0").model
     choice = linear_path.choose_and_apply(model, 2, 10.0, reduced_kinds=("bf16",), check=lambda rows: 0.5,
                                           min_score=0.9)
     assert len(choice.copy_checks) == 1 + linear_path.PARTIAL_CHECKS and not _copies(model)
+
+
+def test_a_ranking_that_fails_leaves_the_draft_without_copies_not_down(monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """The fewer-shapes retry is a rescue: where ranking the shapes raises, the worker starts as it
+    did before the retry existed (without copies), with a WARNING, and its nn.Linears are back."""
+    monkeypatch.setattr(linear_path, "best_ms", _copy_wins_up_to(2))
+
+    def broken(model: torch.nn.Module, choice: linear_path.PathChoice, copies: dict) -> dict:
+        raise RuntimeError("no forward here")
+    monkeypatch.setattr(linear_path, "copy_errors", broken)
+    model = load_model("tiny:seed=0").model
+    with caplog.at_level("WARNING", logger="specdec.linear_path"):
+        choice = linear_path.choose_and_apply(model, 2, 10.0, reduced_kinds=("bf16",), check=lambda rows: 0.5,
+                                              min_score=0.9)
+    assert choice.copy_checks == [("bf16", 0.5, False)] and not _copies(model)
+    assert "could not rank the bf16 copies' shapes (RuntimeError: no forward here)" in caplog.text
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[1]]))
