@@ -55,7 +55,7 @@ def hold_first_solo_forward(model: torch.nn.Module, until: Callable[[], bool], t
             time.sleep(0.005)
     handle = model.register_forward_pre_hook(hold)
     try:
-        yield
+        yield held  # set once the first forward is held
     finally:
         handle.remove()
 
@@ -244,9 +244,22 @@ async def test_concurrent_streams_are_token_identical_to_each_alone(speculation:
             # batched two calls went by unheld, and the calls then trickled in without meeting.)
             meet = hold_first_solo_forward(stack.target.core.model.model.embed_tokens,
                                            lambda: target.waiting_calls + len(target._active) >= len(prompts))
-        with meet:
-            replies = await asyncio.gather(*(stack.generate(prompt_ids=p, max_new_tokens=24,
-                                                            speculation=speculation) for p in prompts))
+        with meet as held:
+            calls = [stack.generate(prompt_ids=p, max_new_tokens=24, speculation=speculation) for p in prompts]
+            if prefill_chunk == 64:
+                replies = await asyncio.gather(*calls)
+            else:
+                # The shortest prompt's verify first, alone in the held forward: sent together, the
+                # short prompts' verifies came first (their drafts' prefills are shorter), filled the
+                # first forward, and the long ones then met no decode-sized step to be chunked beside
+                # (seen once in CI: prefill_chunks 0).
+                first = asyncio.ensure_future(calls[0])
+                for _ in range(2000):
+                    if held is not None and held.is_set():
+                        break
+                    await asyncio.sleep(0.005)
+                rest = asyncio.gather(*calls[1:])  # sent now, while the first forward is held
+                replies = [await first, *await rest]
         assert [list(r.token_ids) for r in replies] == alone
         # The streams really shared forwards on the target.
         forwards = target.forwards - forwards_before
