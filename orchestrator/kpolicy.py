@@ -453,7 +453,7 @@ class SessionStats:
             self.bonus_match.update(1.0 if record.predraft_hit else 0.0)
         if record.predraft_branch_hit is not None:
             self.branch_match.update(1.0 if record.predraft_branch_hit else 0.0)
-        if getattr(record, "overlapped", False):
+        if record.overlapped:
             # The prefill overlap ran this round at k = 0 beside the draft's prefill: not the policy
             # choosing target-only (which relaxes the acceptance and makes the next drafting round a
             # probe). It says nothing about acceptance or a k's speed.
@@ -753,16 +753,16 @@ def prefill_overlap_price(stats: SessionStats, prefill_rows: int, min_k: int, ma
     lo = max(1, min_k)
     if max_k < lo:
         return None
-    rates = {k: CostModelPolicy.tokens_per_ms(stats, k, pipelined, branches, max_k) for k in range(min_k, max_k + 1)}
-    best = max(rates, key=lambda k: (rates[k], -k))
+    best = CostModelPolicy(pipelined=pipelined, branches=branches)._argmax(stats, min_k, max_k)
+    rate = CostModelPolicy.tokens_per_ms(stats, best, pipelined, branches, max_k)
     draft_one = curves.extended(t.draft_curve, 1)
     target_prompt = t.load.forward_ms(prefill_rows)
-    if best < lo or not draft_one or target_prompt is None or rates[best] <= 0:
+    if best < lo or not draft_one or target_prompt is None or rate <= 0:
         return None
     per_token = t.draft_ms_per_token.value
     speed = min(2.0, max(0.5, per_token / draft_one))
     draft_prompt = (curves.extended(t.draft_curve, prefill_rows) or draft_one) * speed
-    k_serial = prefill_round_k(stats, lo, best, prefill_rows, rates[best])
+    k_serial = prefill_round_k(stats, lo, best, prefill_rows, rate)
     depth = best
     if remaining is not None:  # as the rounds clamp them: a round's k + 1 tokens, the pre-draft's k + 1
         k_serial, depth = max(1, min(k_serial, remaining - 1)), max(0, min(best, remaining - 2))
@@ -770,7 +770,7 @@ def prefill_overlap_price(stats: SessionStats, prefill_rows: int, min_k: int, ma
     serial = (draft_prompt + (k_serial - 1) * per_token + t.draft_rtt_ms.value
               + target_serial + t.rtt_ms.value)
     overlap = max(target_prompt + t.rtt_ms.value, draft_prompt + depth * per_token + t.draft_rtt_ms.value)
-    make_up = (expected_tokens(stats.acceptance.value, k_serial) - 1.0) / rates[best]
+    make_up = (expected_tokens(stats.acceptance.value, k_serial) - 1.0) / rate
     return OverlapPrice(serial, overlap, make_up, k_serial)
 
 

@@ -688,10 +688,16 @@ def reduced_copy_bytes(model: torch.nn.Module) -> int:
     return sum(_copy_bytes(m.reduced) for m in model.modules() if isinstance(m, PathLinear) and m.reduced)
 
 
+def without_copies_on(choice: PathChoice, shapes: set[tuple[int, int]]) -> PathChoice:
+    """The same choice with no copies for these shapes (their other path at every row count)."""
+    return dataclasses.replace(choice, plans={
+        shape: dataclasses.replace(plan, reduced_rows=0, reduced_kind=None) if shape in shapes else plan
+        for shape, plan in choice.plans.items()})
+
+
 def without_reduced(choice: PathChoice) -> PathChoice:
     """The same choice with no copies: every shape runs its other path at every row count."""
-    return dataclasses.replace(choice, plans={shape: dataclasses.replace(plan, reduced_rows=0, reduced_kind=None)
-                                              for shape, plan in choice.plans.items()})
+    return without_copies_on(choice, set(choice.plans))
 
 
 def copy_rows(choice: PathChoice) -> int:
@@ -725,13 +731,6 @@ def copies_only(model: torch.nn.Module, choice: PathChoice,
 
 
 PARTIAL_CHECKS = 2  # checks of a kind's copies on fewer shapes, once its whole plan failed
-
-
-def without_copies_on(choice: PathChoice, shapes: set[tuple[int, int]]) -> PathChoice:
-    """The same choice with no copies for these shapes (their other path at every row count)."""
-    return dataclasses.replace(choice, plans={
-        shape: dataclasses.replace(plan, reduced_rows=0, reduced_kind=None) if shape in shapes else plan
-        for shape, plan in choice.plans.items()})
 
 
 @torch.inference_mode()
@@ -773,18 +772,20 @@ def copy_errors(model: torch.nn.Module, choice: PathChoice, copies: dict[int, Re
     return {shape: sum(v) / len(v) for shape, v in errors.items()}
 
 
-def _fewer_shapes(model: torch.nn.Module, kind: str, choice: PathChoice, check: Callable[[int], float],
-                  min_score: float,
+def _fewer_shapes(model: torch.nn.Module, kind: str, choice: PathChoice, made: dict[int, ReducedCopy],
+                  check: Callable[[int], float], min_score: float,
                   checks: list[tuple[str, float, bool]]) -> tuple[PathChoice | None, dict[int, ReducedCopy] | None]:
     """A kind whose copies failed the check on all their shapes, tried without the copies of the shape
     whose products they change most, then also the next (copy_errors), while a shape keeps copies, up
     to PARTIAL_CHECKS checks: (the choice and its copies) of the first that passes, else (None, None).
-    Each check is recorded in `checks` as "<kind> except <shapes>". The copies are made once here
-    (the failed check's were let go while the next kind was measured) and reused by every trial."""
-    made: dict[int, ReducedCopy] = {}
+    Each check is recorded in `checks` as "<kind> except <shapes>". `made`: the copies the failed
+    check ran on, by id of the nn.Linear, or empty where they were let go (while another kind was
+    measured): then made again here. Every trial reuses them; `made` is emptied on return."""
     try:
-        with copies_only(model, choice) as made:
-            pass  # made, and the nn.Linears back
+        if not made:
+            with copies_only(model, choice) as fresh:
+                pass  # made, and the nn.Linears back
+            made.update(fresh)
         try:
             errors = copy_errors(model, choice, made)
         except Exception as exc:  # a ranking that fails leaves the draft as before: without copies
@@ -804,9 +805,8 @@ def _fewer_shapes(model: torch.nn.Module, kind: str, choice: PathChoice, check: 
                 break
             with copies_only(model, trial, reuse=made) as kept:
                 score = check(rows)
-            label = f"{kind} except " + ", ".join(f"{out}x{inp}" for out, inp in sorted(dropped))
-            checks.append((label, score, score >= min_score))
-            without = label.partition(" except ")[2]
+            without = ", ".join(f"{out}x{inp}" for out, inp in sorted(dropped))
+            checks.append((f"{kind} except {without}", score, score >= min_score))
             if score >= min_score:
                 log.info("the %s weight copies without those of %s (dropped: relative product error %s) keep %.3f "
                          "of the model's token distributions", kind, without,
@@ -840,8 +840,12 @@ def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float, reduce
     kinds: tuple[str | None, ...] = reduced_kinds or (None,)
     checks: list[tuple[str, float, bool]] = []
     seconds, first, kept, copies = 0.0, None, None, None
-    failed: list[tuple[str, PathChoice]] = []  # kinds whose copies failed the check on all their shapes
+    # Kinds whose copies failed the check on all their shapes, with those copies: each set is let go
+    # before another kind is measured or retried, so that two sets are never held at once.
+    failed: list[tuple[str, PathChoice, dict[int, ReducedCopy]]] = []
     for i, kind in enumerate(kinds):
+        for *_, earlier in failed:
+            earlier.clear()
         choice = measure(model, max_m, budget_s, reduced_kind=kind)
         seconds += choice.seconds
         first = choice if first is None else first
@@ -862,13 +866,15 @@ def choose_and_apply(model: torch.nn.Module, max_m: int, budget_s: float, reduce
             break
         log.warning("the %s weight copies keep %.3f of the model's token distributions (under %.2f): %s", kind,
                     score, min_score, "measuring the next kind" if i + 1 < len(kinds) else "trying fewer shapes")
-        failed.append((kind, choice))  # type: ignore[arg-type]
-        made.clear()  # not held while the next kind is measured
+        failed.append((kind, choice, made))  # type: ignore[arg-type]
     # No kind kept on all its shapes: each, in turn, without the copies of the shapes whose products
     # they change most (copy_errors), a shape at a time, at most PARTIAL_CHECKS checks a kind.
-    for kind, choice in failed if kept is None else ():
+    for kind, choice, made in failed if kept is None else ():
+        for *_, other in failed:
+            if other is not made:
+                other.clear()
         started = time.monotonic()
-        kept, copies = _fewer_shapes(model, kind, choice, check, min_score, checks)  # type: ignore[arg-type]
+        kept, copies = _fewer_shapes(model, kind, choice, made, check, min_score, checks)  # type: ignore[arg-type]
         seconds += time.monotonic() - started
         if kept is not None:
             break

@@ -410,3 +410,19 @@ def test_a_ranking_that_fails_leaves_the_draft_without_copies_not_down(monkeypat
     assert "could not rank the bf16 copies' shapes (RuntimeError: no forward here)" in caplog.text
     with torch.inference_mode():
         model(input_ids=torch.tensor([[1]]))
+
+
+def test_the_fewer_shapes_checks_reuse_the_copies_the_failed_check_ran_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each nn.Linear's copy is made once for the timing and once for the checks: the retries on
+    fewer shapes take the failed check's copies, not a third set (quantising a draft's weights
+    again costs startup time)."""
+    monkeypatch.setattr(linear_path, "best_ms", _copy_wins_up_to(2))
+    model = load_model("tiny:seed=0").model
+    linears = sum(1 for m in model.modules() if type(m) is torch.nn.Linear)
+    made: list[int] = []
+    honest = linear_path._reduced_copy
+    monkeypatch.setattr(linear_path, "_reduced_copy", lambda *args: made.append(1) or honest(*args))
+    choice = linear_path.choose_and_apply(model, 2, 10.0, reduced_kinds=("bf16",), check=lambda rows: 0.5,
+                                          min_score=0.9)
+    assert len(choice.copy_checks) == 1 + linear_path.PARTIAL_CHECKS
+    assert len(made) == 2 * linears  # the timer's, then the checks' (every shape took copies)

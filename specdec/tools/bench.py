@@ -70,14 +70,27 @@ def systems(all_in_both_modes: bool = False) -> list[System]:
 BASELINE = "target-only (service, k=0)"  # every summary's per-prompt reference; always run
 
 
+def matching_names(names: list[str], pattern: str, always: tuple[str, ...]) -> list[str]:
+    """A `--systems` selection (bench, netbench): the names, in order, that the regular expression
+    `pattern` finds (searched), and those in `always` (the references every ratio is taken against);
+    ValueError where it finds no other name, or is no regular expression."""
+    try:
+        wanted = re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"--systems: not a regex: {exc}") from None
+    chosen = {name for name in names if name not in always and wanted.search(name)}
+    if not chosen:
+        raise ValueError(f"--systems {pattern!r} matches none of: "
+                         + ", ".join(name for name in names if name not in always))
+    return [name for name in names if name in always or name in chosen]
+
+
 def select_systems(plan: list[System], pattern: str) -> list[System]:
     """The systems whose name matches `pattern` (a regular expression, searched), in both modes (a
     selection is explicit), plus the service's k = 0, which every summary is taken against."""
-    chosen = [System(x.name, x.kind, x.speculation, x.hf, x.fixed_k, ("greedy", "sampled"))
-              for x in plan if x.name == BASELINE or re.search(pattern, x.name)]
-    if len(chosen) < 2:
-        raise ValueError(f"--systems {pattern!r} matches none of: {', '.join(x.name for x in plan)}")
-    return chosen
+    names = matching_names([x.name for x in plan], pattern, (BASELINE,))
+    return [System(x.name, x.kind, x.speculation, x.hf, x.fixed_k, ("greedy", "sampled"))
+            for x in plan if x.name in names]
 
 
 @dataclass
@@ -503,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.systems:
         try:
             plan = select_systems(plan, args.systems)
-        except (ValueError, re.error) as exc:
+        except ValueError as exc:
             parser.error(str(exc))
 
     from tqdm import tqdm

@@ -73,18 +73,9 @@ async def _runs(address: str, latency: float, prompts: list[dict], max_new: int,
 
 def selected_systems(pattern: str | None) -> list[str]:
     """The systems a --systems regex selects, in SYSTEMS order, with the two references (target-only,
-    serial) always; ValueError for a bad regex or one that selects nothing else."""
-    import re
-    if pattern is None:
-        return list(SYSTEMS)
-    try:
-        wanted = re.compile(pattern)
-    except re.error as exc:
-        raise ValueError(f"--systems: not a regex: {exc}") from None
-    chosen = [name for name in SYSTEMS if name not in REFERENCES and wanted.search(name)]
-    if not chosen:
-        raise ValueError(f"--systems {pattern!r} matches none of {', '.join(n for n in SYSTEMS if n not in REFERENCES)}")
-    return [name for name in SYSTEMS if name in REFERENCES or name in chosen]
+    serial) always; ValueError for a bad regex or one that selects nothing else (bench.matching_names)."""
+    from specdec.tools.bench import matching_names
+    return list(SYSTEMS) if pattern is None else matching_names(list(SYSTEMS), pattern, REFERENCES)
 
 
 def netbench_config(base: str | None, out: Path) -> Path:
