@@ -1,6 +1,9 @@
 """Model refs, parsed without torch (the orchestrator resolves its tokenizer ref with these).
 
   tiny:seed=N[,noise=X][,layers=L][,hidden=H][,vocab=V][,max_positions=P]  random-weight test model
+  tiny:preset=qwen2.5-1.5b,seed=N[,layers=L][,quiet_from=Q,quiet=X]  random weights at a real model's
+                                                          shapes, for timing on a device the weights
+                                                          cannot travel to (see TinySpec)
   embedded:<name>                                         converted embedded model (see specdec.embedded)
   <dir or hub id>                                         transformers from_pretrained (safetensors only)
   <file>.gguf                                             GGUF file, dequantised by transformers + gguf
@@ -17,13 +20,43 @@ class ModelRefError(ValueError):
 
 
 @dataclass(frozen=True)
+class ShapePreset:
+    """A real model's shapes (Qwen2 architecture), for random-weight stand-ins."""
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tie_embeddings: bool
+
+
+# The embedded pair's shapes and the 7B-class target of the GPU deployment (the models' config.json).
+SHAPE_PRESETS: dict[str, ShapePreset] = {
+    "qwen2.5-0.5b": ShapePreset(896, 4864, 24, 14, 2, 151936, True),
+    "qwen2.5-1.5b": ShapePreset(1536, 8960, 28, 12, 2, 151936, True),
+    "qwen2.5-7b": ShapePreset(3584, 18944, 28, 28, 4, 152064, False),
+}
+
+
+@dataclass(frozen=True)
 class TinySpec:
+    """A random-weight model. Without `preset`, a tiny Qwen2 for tests. With `preset`, a real model's
+    shapes at transformers' own init: the compute per token is the real model's, so a device the
+    real weights cannot reach still measures real costs. There `layers` keeps the first L of the
+    preset's layers (built at full depth, then cut, so they are the full model's first L), and
+    `quiet` scales the output projections of the layers from `quiet_from` on: a target that stays
+    close to its own first `quiet_from` layers, whose cut copy is then a draft that agrees with it
+    at a rate the scale sets (synthetic agreement, not a real pair's)."""
     seed: int = 0
     noise: float = 0.0        # perturb weights of the seed model: 0 = identical, larger = less agreement
     layers: int = 2
     hidden: int = 64
     vocab: int = 260
     max_positions: int = 4096
+    preset: str = ""
+    quiet_from: int = 0
+    quiet: float = 1.0
 
     @classmethod
     def parse(cls, ref: str) -> "TinySpec":
@@ -33,7 +66,23 @@ class TinySpec:
             key, _, value = item.partition("=")
             if key not in cls.__dataclass_fields__:
                 raise ModelRefError(f"unknown tiny model option {key!r} in {ref!r}")
-            kwargs[key] = float(value) if key == "noise" else int(value)
+            try:
+                kwargs[key] = value if key == "preset" else float(value) if key in ("noise", "quiet") else int(value)
+            except ValueError as exc:
+                raise ModelRefError(f"tiny model option {key}={value!r} in {ref!r} is not a number") from exc
+        preset = kwargs.get("preset")
+        if preset is not None:
+            if preset not in SHAPE_PRESETS:
+                raise ModelRefError(f"unknown shape preset {preset!r} in {ref!r}; known: {', '.join(SHAPE_PRESETS)}")
+            shape = SHAPE_PRESETS[preset]
+            if "hidden" in kwargs or "vocab" in kwargs:
+                raise ModelRefError(f"{ref!r}: a preset fixes hidden and vocab")
+            kwargs["hidden"], kwargs["vocab"] = shape.hidden, shape.vocab
+            kwargs.setdefault("layers", shape.layers)
+            if not 1 <= kwargs["layers"] <= shape.layers:
+                raise ModelRefError(f"{ref!r}: layers must be 1..{shape.layers} for {preset}")
+        elif "quiet" in kwargs or "quiet_from" in kwargs:
+            raise ModelRefError(f"{ref!r}: quiet and quiet_from need a preset")
         return cls(**kwargs)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from specdec.model_refs import ModelRefError, TinySpec, resolve_path
+from specdec.model_refs import SHAPE_PRESETS, ModelRefError, TinySpec, resolve_path
 from specdec.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -20,8 +20,10 @@ log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- tiny models
 
-def build_tiny_model(spec: TinySpec) -> torch.nn.Module:
-    """A small Qwen2-architecture model with deterministic random weights."""
+def build_tiny_model(spec: TinySpec, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """A small Qwen2-architecture model with deterministic random weights (a preset's: on `device`)."""
+    if spec.preset:
+        return _build_preset_model(spec, device)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
@@ -39,6 +41,40 @@ def build_tiny_model(spec: TinySpec) -> torch.nn.Module:
         with torch.no_grad():
             for param in model.parameters():
                 param.add_(torch.randn(param.shape, generator=gen) * spec.noise * param.std())
+    model.generation_config.eos_token_id = ByteTokenizer.EOS
+    model.generation_config.pad_token_id = ByteTokenizer.PAD
+    return model.eval()
+
+
+def _build_preset_model(spec: TinySpec, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """A real model's shapes with random weights (TinySpec): built at full depth from the seed, so
+    a cut copy holds the full model's first layers, then cut to `layers`, with the output
+    projections of the layers from `quiet_from` on scaled by `quiet`. Built on `device`, where a
+    GPU draws billions of weights in a blink and two CPU cores take half a minute: the same seed
+    gives the same weights on the same kind of device (the CPU and CUDA generators differ)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = SHAPE_PRESETS[spec.preset]
+    config = Qwen2Config(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=spec.max_positions, tie_word_embeddings=shape.tie_embeddings,
+        rope_theta=1_000_000.0, initializer_range=0.02, bos_token_id=ByteTokenizer.BOS,
+        eos_token_id=ByteTokenizer.EOS, pad_token_id=ByteTokenizer.PAD,
+    )
+    torch.manual_seed(spec.seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for index in range(spec.quiet_from, shape.layers if spec.quiet != 1.0 else 0):
+            layer = model.model.layers[index]
+            layer.self_attn.o_proj.weight.mul_(spec.quiet)
+            layer.mlp.down_proj.weight.mul_(spec.quiet)
+    if spec.layers < shape.layers:
+        model.model.layers = model.model.layers[:spec.layers]
+        model.config.num_hidden_layers = spec.layers
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[:spec.layers]
     model.generation_config.eos_token_id = ByteTokenizer.EOS
     model.generation_config.pad_token_id = ByteTokenizer.PAD
     return model.eval()
@@ -147,7 +183,8 @@ def load_model(ref: str, dtype: torch.dtype = torch.float32, device: str = "cpu"
     """Load a model for inference. Weights come from safetensors (or GGUF); never from pickle."""
     if ref.startswith("tiny"):
         spec = TinySpec.parse(ref)
-        model = build_tiny_model(spec).to(device=resolve_device(device), dtype=dtype)
+        where = resolve_device(device)
+        model = build_tiny_model(spec, where).to(device=where, dtype=dtype)
         tok = ByteTokenizer(spec.vocab)
         return LoadedModel(ref, model, tok, spec.vocab, spec.max_positions, tok.eos_token_ids)
     from transformers import AutoModelForCausalLM

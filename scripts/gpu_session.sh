@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (the `device` tool): every GPU figure the issues ask for, in stages,
+# each capped so that the whole stays inside BUDGET_S; results packed into $OUT/results.tgz after
+# every stage, so a stage cut short still returns what came before it.
+#
+#   device run, carry [".whl"]:  bash scripts/gpu_session.sh
+#
+# The real weights cannot travel (64 MiB a call; the embedded pair is 1.4 GB of GGUF), so the models
+# are random weights at the real shapes (tiny:preset=..., specdec.model_refs): the target is
+# Qwen2.5-1.5B's shapes with its last four layers quietened, the draft the same model cut to its first
+# 24 layers (a 0.5B-class layer count, which is what sets an eager step's cost on a GPU). Their greedy
+# agreement is set by construction (gpu_costs.py measures it), not a real pair's.
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+RES=${RES:-/tmp/gpu-results}
+BUDGET_S=${BUDGET_S:-480}
+TARGET=${TARGET:-tiny:preset=qwen2.5-1.5b,seed=1,quiet_from=24,quiet=0.3}
+DRAFT=${DRAFT:-tiny:preset=qwen2.5-1.5b,seed=1,layers=24}
+DEVICE=${DEVICE:-cuda}     # DEVICE=cpu PRESETS=... TARGET=tiny:... DRAFT=tiny:... : a dry run of the plumbing
+PRESETS=${PRESETS:-qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-1.5b@24,qwen2.5-7b}
+CPU_TARGET=${CPU_TARGET:-tiny:preset=qwen2.5-1.5b,seed=1}   # the embedded pair's shapes, on the host CPU
+CPU_DRAFT=${CPU_DRAFT:-tiny:preset=qwen2.5-0.5b,seed=1}
+STAGES=${STAGES:-costs loadtest netbench cpu_paths bench}
+START=$(date +%s)
+mkdir -p "$OUT" "$RES"
+
+# worker_startup ROLE MODEL: a worker started on the host's CPU (2 threads, as the 2-core machines
+# have) until it serves, then stopped: its log holds the GEMM path it chose per shape and its cost
+# curve (issue 14 asks which path each CPU takes; this host is an Intel with AMX).
+worker_startup() {
+    local role=$1 model=$2 port="$RES/cpu-$1.port"
+    rm -f "$port"
+    python3 -m "${role}_worker" --model "$model" --device cpu --threads 2 --calibration-s 20 --port 0 \
+        --port-file "$port" &
+    local pid=$!
+    while kill -0 $pid 2>/dev/null && [ ! -s "$port" ]; do sleep 1; done
+    kill $pid 2>/dev/null; wait $pid 2>/dev/null
+    [ -s "$port" ]
+}
+cpu_paths() {
+    worker_startup target "$CPU_TARGET" && worker_startup draft "$CPU_DRAFT"
+}
+
+left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
+pack() { tar czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null; }
+# stage NAME CAP_S COMMAND...: runs with the smaller of CAP_S and the time left, logs to $RES/NAME.log.
+stage() {
+    local name=$1 cap=$2; shift 2
+    local budget=$(( $(left) - 15 ))
+    (( cap < budget )) && budget=$cap
+    if (( budget < 30 )); then echo "== $name: skipped, $(left) s left"; return; fi
+    echo "== $name (up to $budget s, $(left) s left)"
+    timeout -k 5 "$budget" "$@" > "$RES/$name.log" 2>&1
+    echo "== $name rc=$? after $(( $(date +%s) - START )) s"
+    tail -n 25 "$RES/$name.log"
+    pack
+}
+
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+{
+    date -u; nvidia-smi; lscpu | grep -E 'Model name|^CPU\(s\)'
+    python3 -c "import sys, torch, transformers, grpc, google.protobuf as pb; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0)); print('transformers', transformers.__version__, 'grpc', grpc.__version__, 'protobuf', pb.__version__)"
+} > "$RES/env.txt" 2>&1
+cat "$RES/env.txt"
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)" in
+    *H200*) BW=4.8 ;; *H100*) BW=3.35 ;; *) BW=0 ;;
+esac
+
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+want costs && stage costs 120 python3 scripts/gpu_costs.py --device "$DEVICE" --presets "$PRESETS" --out "$RES/costs" \
+    --bandwidth-tbs "$BW" --pair "$TARGET|$DRAFT"
+want loadtest && stage loadtest 170 python3 -m specdec.cli loadtest --sweep 1,2,4,8 --target "$TARGET" --draft "$DRAFT" \
+    --requests-per-stream 2 --max-new-tokens 64 --worker-args "--calibration-s 8" --out "$RES/loadtest"
+want netbench && stage netbench 150 python3 -m specdec.cli netbench --target "$TARGET" --draft "$DRAFT" --latencies-ms 0,10 \
+    --max-prompts 3 --max-new-tokens 48 --systems 'pipelined$' --threads 4 --target-cpus 0-7 --draft-cpus 8-15 \
+    --calibration-s 5 --out "$RES/netbench"
+export -f worker_startup cpu_paths
+export RES CPU_TARGET CPU_DRAFT
+want cpu_paths && stage cpu_paths 100 bash -c cpu_paths
+want bench && stage bench 200 python3 -m specdec.cli bench --device "$DEVICE" --target "$TARGET" --draft "$DRAFT" --modes greedy \
+    --max-new-tokens 64 --systems 'HF in-process|HF assisted \(default\)|fixed k=4|cost \(server' --out "$RES/bench"
+pack
+echo "done after $(( $(date +%s) - START )) s"

@@ -1,0 +1,84 @@
+"""Random-weight stand-ins at a real model's shapes (tiny:preset=...): what a device the real weights
+cannot travel to measures with. The cut copy must be the full model's first layers, and the quiet
+tail must move the full model towards it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import model_refs
+from specdec.model_refs import SHAPE_PRESETS, ModelRefError, ShapePreset, TinySpec
+from specdec.models import build_tiny_model, load_model
+
+MINI = ShapePreset(hidden=64, intermediate=96, layers=6, heads=4, kv_heads=2, vocab=300, tie_embeddings=True)
+
+
+@pytest.fixture
+def mini_preset(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setitem(model_refs.SHAPE_PRESETS, "mini", MINI)
+    return "mini"
+
+
+def test_presets_carry_the_real_models_shapes() -> None:
+    spec = TinySpec.parse("tiny:preset=qwen2.5-1.5b,seed=3")
+    assert (spec.hidden, spec.vocab, spec.layers, spec.seed) == (1536, 151936, 28, 3)
+    cut = TinySpec.parse("tiny:preset=qwen2.5-1.5b,seed=3,layers=24,quiet_from=2,quiet=0.5")
+    assert (cut.layers, cut.quiet_from, cut.quiet) == (24, 2, 0.5)
+    assert SHAPE_PRESETS["qwen2.5-0.5b"].layers == 24
+
+
+@pytest.mark.parametrize("ref, message", [
+    ("tiny:preset=llama-9000", "unknown shape preset"),
+    ("tiny:preset=qwen2.5-0.5b,layers=25", "layers must be 1..24"),
+    ("tiny:preset=qwen2.5-0.5b,hidden=64", "fixes hidden and vocab"),
+    ("tiny:seed=1,quiet=0.5", "need a preset"),
+    ("tiny:seed=x", "not a number"),
+])
+def test_bad_preset_refs_are_refused(ref: str, message: str) -> None:
+    with pytest.raises(ModelRefError, match=message):
+        TinySpec.parse(ref)
+
+
+@torch.inference_mode()
+def test_the_cut_copy_is_the_full_models_first_layers(mini_preset: str) -> None:
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    full = build_tiny_model(TinySpec.parse(f"tiny:preset={mini_preset},seed=5"))
+    cut = build_tiny_model(TinySpec.parse(f"tiny:preset={mini_preset},seed=5,layers=4"))
+    silent_tail = build_tiny_model(TinySpec.parse(f"tiny:preset={mini_preset},seed=5,quiet_from=4,quiet=0"))
+    half_tail = build_tiny_model(TinySpec.parse(f"tiny:preset={mini_preset},seed=5,quiet_from=4,quiet=0.5"))
+    assert len(cut.model.layers) == 4 and cut.config.num_hidden_layers == 4
+    # Layers whose output projections are zero add nothing to the residual stream.
+    torch.testing.assert_close(silent_tail(ids).logits, cut(ids).logits)
+    far = (full(ids).logits - cut(ids).logits).abs().mean()
+    near = (half_tail(ids).logits - cut(ids).logits).abs().mean()
+    assert 0 < near < far
+
+
+def test_a_preset_loads_as_a_worker_model(mini_preset: str) -> None:
+    loaded = load_model(f"tiny:preset={mini_preset},seed=1,layers=2", torch.bfloat16, "cpu")
+    assert loaded.vocab_size == MINI.vocab and loaded.tokenizer.vocab_size == MINI.vocab
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+
+
+def test_the_gpu_cost_script_reports_every_shape_and_the_pair(mini_preset: str, tmp_path, monkeypatch) -> None:
+    """scripts/gpu_costs.py, run on the CPU: what a lent GPU's one call runs first must not fail there."""
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_costs.py"
+    monkeypatch.setattr(sys, "argv", [
+        str(script), "--device", "cpu", "--dtype", "float32", "--presets", f"{mini_preset},{mini_preset}@2",
+        "--budget-s", "0.5", "--new-tokens", "4", "--bandwidth-tbs", "0.000001",
+        "--pair", f"tiny:preset={mini_preset},seed=1,quiet_from=2,quiet=0.3|tiny:preset={mini_preset},seed=1,layers=2",
+        "--out", str(tmp_path)])
+    runpy.run_path(str(script), run_name="__main__")
+    report = json.loads((tmp_path / "gpu_costs.json").read_text())
+    assert set(report["shapes"]) == {mini_preset, f"{mini_preset}@2"}
+    for entry in report["shapes"].values():
+        assert {t for t, _, _ in entry["curve"]} >= {1, 16} and entry["hf_generate_tok_s"] > 0
+        assert entry["floor_ms"] > 0
+    assert report["shapes"][f"{mini_preset}@2"]["params"] < report["shapes"][mini_preset]["params"]
+    assert 0.0 <= report["pair"]["greedy_agreement"] <= 1.0
+    assert "| mini@2 |" in (tmp_path / "gpu_costs.md").read_text()
