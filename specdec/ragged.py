@@ -125,18 +125,24 @@ class RaggedForward:
     def _attend(self, layer: torch.nn.Module, x: torch.Tensor, items: Sequence[RaggedItem], starts: list[int],
                 masks: list[Any], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         attn = layer.self_attn
-        # Projections over every row at once; attention per session.
-        queries, keys, values = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        # Projections, q/k norms and the rotary over every row at once (row-wise, so each row's
+        # values are what it alone would get); the cache update and attention per session. On a GPU
+        # each op is a kernel launch, and a step's cost is their count: per session, only what must be.
+        shape = (1, x.shape[1], -1, attn.head_dim)
+        q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+        if hasattr(attn, "q_norm"):  # Qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self._rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+        if len(items) == 1:
+            keys, values = items[0].cache.update(k, v, attn.layer_idx)
+            out, _ = self._attention(attn, q, keys, values, masks[0], dropout=0.0, scaling=attn.scaling,
+                                     sliding_window=getattr(attn, "sliding_window", None))
+            return attn.o_proj(out.reshape(1, x.shape[1], -1).contiguous())
         outputs = []
         for item, s, e, mask in zip(items, starts, starts[1:], masks):
-            shape = (1, e - s, -1, attn.head_dim)
-            q, k, v = queries[:, s:e].view(shape), keys[:, s:e].view(shape), values[:, s:e].view(shape)
-            if hasattr(attn, "q_norm"):  # Qwen3
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q, k = self._rotary(q, k, cos[:, s:e], sin[:, s:e])
-            k, v = item.cache.update(k, v, attn.layer_idx)
-            out, _ = self._attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling,
+            keys, values = item.cache.update(k[:, :, s:e], v[:, :, s:e], attn.layer_idx)
+            out, _ = self._attention(attn, q[:, :, s:e], keys, values, mask, dropout=0.0, scaling=attn.scaling,
                                      sliding_window=getattr(attn, "sliding_window", None))
             outputs.append(out.reshape(1, e - s, -1))
         return attn.o_proj(torch.cat(outputs, dim=1).contiguous())

@@ -82,3 +82,19 @@ def test_the_gpu_cost_script_reports_every_shape_and_the_pair(mini_preset: str, 
     assert report["shapes"][f"{mini_preset}@2"]["params"] < report["shapes"][mini_preset]["params"]
     assert 0.0 <= report["pair"]["greedy_agreement"] <= 1.0
     assert "| mini@2 |" in (tmp_path / "gpu_costs.md").read_text()
+
+
+def test_the_ragged_step_script_reports_each_session_count(tmp_path, monkeypatch) -> None:
+    """scripts/ragged_steps.py (a stage of scripts/gpu_session.sh), run on the CPU."""
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "ragged_steps.py"
+    out = tmp_path / "ragged.json"
+    monkeypatch.setattr(sys, "argv", [str(script), "--model", "tiny:seed=1", "--sessions", "1,3", "--reps", "2",
+                                      "--context", "16", "--out", str(out)])
+    runpy.run_path(str(script), run_name="__main__")
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["sessions"] for row in rows] == [1, 3] and all(row["step_ms"] > 0 for row in rows)
