@@ -21,6 +21,12 @@ from specdec.worker_core import WorkerCore
 log = logging.getLogger(__name__)
 
 BATCHED_PATH_ROWS = 16
+# The share of the budget the GEMM path may take. A draft's is larger: its cost curve is two row
+# counts and the load points (2.5-4.7 s on a Zen 4 core), while its GEMM path makes, checks and times
+# copies shape by shape (10.2 s for the 0.5B draft on an idle Zen 4 core, 11.5-14.4 s in netbench
+# startups), so half of the default 20 s cut its last shapes off in some startups and not in others,
+# and those ran on F.linear: a draft step of 76-95 ms instead of 43.
+GEMM_SHARE = {"draft": 0.7, "target": 0.5}
 # The reduced copies' check (reduced_overlap): one-token steps over the draft's own greedy continuation
 # of a random prefix, and how much of the full-precision draft's distribution they must keep.
 OVERLAP_PREFIX, OVERLAP_STEPS = 16, 32
@@ -154,7 +160,7 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
         # Row counts for the GEMM path: a session's own steps, and up to 16 rows of batched sessions.
         # The draft's copies, kind by kind, until one keeps enough of its distributions (reduced_overlap).
         paths = linear_path.choose_and_apply(
-            core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s / 2,
+            core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s * GEMM_SHARE.get(core.role, 0.5),
             reduced_kinds=kinds if core.role == "draft" else (),
             check=lambda rows: reduced_overlap(core.model, core.vocab_size, rows), min_score=MIN_REDUCED_OVERLAP)
         core.gemm_path = paths.summary()
@@ -165,8 +171,8 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
     # target on 2 Zen 5 cores) and is not charged to the curve: charged, it left the curve little or
     # none of the budget in some startups, only its always-measured points (3 or 4 of 12; loadtest
     # runs 52, 55, 57). Nor is a second kind of copy's measurement (a fallback, choose_and_apply): the
-    # curve keeps at least the half of the budget the GEMM path was not given.
-    left = budget_s - min(paths.seconds, budget_s / 2)
+    # curve keeps at least the share of the budget the GEMM path was not given.
+    left = budget_s - min(paths.seconds, budget_s * GEMM_SHARE.get(core.role, 0.5))
     # The orchestrator prices rounds at the short context; a longer one is measured (and reported for
     # operators) only with budget to spare. The end points of the short one are always measured.
     contexts = tuple(sorted({min(64, core.max_context // 4), min(256, core.max_context // 2)}))

@@ -467,3 +467,57 @@ def test_the_reduced_step_is_measured_right_after_the_largest_load_point_and_onc
     curve = measure_cost_curve(loaded.model, loaded.model.config.vocab_size, 2, (8,), 60,
                                load_tokens=(16, 32, 64), step_tokens=(15, 16))
     assert sorted(t for t, _, _ in curve.points) == [1, 2, 15, 16, 32, 64]  # 16 once, though asked twice
+
+
+def test_a_shape_the_budget_cuts_after_its_end_points_is_planned_from_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budget runs out while a shape's row counts between its end points are being timed: the shape
+    is planned from what was timed (its end points bracket every row count), where before it stayed
+    F.linear with the shapes after it. One clock tick per timing call."""
+    ticks = [0.0]
+    real_time = linear_path._ShapeTimer.time
+
+    def ticking(self: linear_path._ShapeTimer, m: int, only: tuple[str, ...] | None = None) -> None:
+        real_time(self, m, only)
+        ticks[0] += 1.0
+
+    monkeypatch.setattr(linear_path._ShapeTimer, "time", ticking)
+    model = load_model("tiny:seed=0").model
+    decode = linear_path.measured_ms(16)
+    ends = {1, decode[len(decode) // 2], 16, linear_path.PREFILL_ROWS}
+    # The first shape's end points and two more row counts, then the budget is spent.
+    choice = linear_path.measure(model, max_m=16, budget_s=len(ends) + 1.5, reps=1, allow_packing=False,
+                                 clock=lambda: ticks[0])
+    assert not choice.complete and len(choice.plans) == 1
+    (timing,) = choice.timings.values()
+    assert set(timing[linear_path.LINEAR]) >= ends and len(timing[linear_path.LINEAR]) == len(ends) + 2
+    assert "budget ran out" in choice.summary()
+
+
+def test_a_budget_with_room_for_everything_still_times_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reserve for later shapes' end points takes nothing from a budget that covers the whole grid."""
+    model = load_model("tiny:seed=0").model
+    choice = linear_path.measure(model, max_m=16, budget_s=60, reps=1, allow_packing=False)
+    decode = set(linear_path.measured_ms(16)) | {linear_path.PREFILL_ROWS}
+    assert choice.complete and all(set(t[linear_path.LINEAR]) == decode for t in choice.timings.values())
+
+
+@pytest.mark.parametrize("role, share", [("draft", 0.7), ("target", 0.5)])
+def test_the_draft_gives_its_gemm_path_the_larger_share_of_the_budget(monkeypatch: pytest.MonkeyPatch, role: str,
+                                                                       share: float) -> None:
+    """A draft's cost curve is two row counts; its GEMM path makes, checks and times copies per shape.
+    The curve keeps the rest, however long the GEMM path took."""
+    from specdec import calibration
+    budgets: dict[str, float] = {}
+
+    def gemm(model, max_m, budget_s, **kwargs):  # type: ignore[no-untyped-def]
+        budgets["gemm"] = budget_s
+        return linear_path.PathChoice(seconds=100.0)  # far over its share
+
+    def curve(model, vocab, max_tokens, contexts, budget_s, **kwargs):  # type: ignore[no-untyped-def]
+        budgets["curve"] = budget_s
+        return calibration.CostCurve()
+
+    monkeypatch.setattr(linear_path, "choose_and_apply", gemm)
+    monkeypatch.setattr(calibration, "measure_cost_curve", curve)
+    calibrate(WorkerCore(load_model("tiny:seed=0"), role), max_k=3, budget_s=20)
+    assert budgets["gemm"] == pytest.approx(20 * share) and budgets["curve"] == pytest.approx(20 * (1 - share))
