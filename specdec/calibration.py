@@ -22,10 +22,10 @@ log = logging.getLogger(__name__)
 
 BATCHED_PATH_ROWS = 16
 # The share of the budget the GEMM path may take. A draft's is larger: its cost curve is two row
-# counts and the load points (2.5-4.7 s on a Zen 4 core), while its GEMM path makes, checks and times
-# copies shape by shape (10.2 s for the 0.5B draft on an idle Zen 4 core, 11.5-14.4 s in netbench
-# startups), so half of the default 20 s cut its last shapes off in some startups and not in others,
-# and those ran on F.linear: a draft step of 76-95 ms instead of 43.
+# counts and the load points (2.3-4.2 s on a Zen 4 core), while its GEMM path makes, checks and times
+# copies shape by shape (9.2 s for the 0.5B draft on an idle Zen 4 core, 11.5-15.7 s in startups),
+# so half of the default 20 s cut its last shapes off in some startups and not in others, and those
+# ran on F.linear: a draft step of 76-95 ms instead of 41-55 (docs/adaptive-k.md, "GEMM path gets 0.7").
 GEMM_SHARE = {"draft": 0.7, "target": 0.5}
 # The reduced copies' check (reduced_overlap): one-token steps over the draft's own greedy continuation
 # of a random prefix, and how much of the full-precision draft's distribution they must keep.
@@ -137,7 +137,7 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
     copy (int4, bf16) a draft's few-row products may run on, or several in order of preference
     (models.reduced_copy_kinds); copies that keep less than MIN_REDUCED_OVERLAP of the draft's
     distributions (reduced_overlap), or that win no shape's timing, give way to the next kind (measured
-    with half the budget again), then to each kind on fewer shapes (linear_path._fewer_shapes), else
+    with the GEMM path's share of the budget again), then to each kind on fewer shapes (linear_path._fewer_shapes), else
     the draft runs without copies.
 
     The draft forwards 1 token per drafting step and up to 2 on catch-up; the target verifies up to

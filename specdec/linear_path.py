@@ -640,9 +640,7 @@ def measure(model: torch.nn.Module, max_m: int, budget_s: float, reps: int = 2,
             if shortcut and timer.reduced_lost_below(m):
                 break  # packed wins where it was timed: take it without the rest
             if clock() - started > budget_s:
-                # Past its end points a shape is planned from what it timed (they bracket its rows);
-                # before them it is not planned, and it and the shapes after it stay F.linear.
-                choice.complete = choice.complete and i >= len(ends)
+                choice.complete = False
                 break
             # Past the shortcut only the reduced copy can still beat packed: the dense paths are not timed.
             timer.time(m, only=(PACKED, REDUCED) if shortcut else None)

@@ -31,10 +31,15 @@ class ShapePreset:
     tie_embeddings: bool
 
 
-# The embedded pair's shapes and the 7B-class target of the GPU deployment (the models' config.json).
+# The embedded pair's shapes, as its converted checkpoints have them (separate LM heads: the
+# published Qwen2.5 0.5B/1.5B configs tie them; a forward computes the same either way, but a CPU
+# never packs a tied weight), and the 7B-class target of the GPU deployment (its config.json). The 7B's
+# padded vocabulary differs from the others', so the orchestrator refuses a 7B preset target with a
+# 0.5B/1.5B preset draft (their byte tokenizers' fingerprints name the vocabulary): it is for
+# scripts/gpu_costs.py, which times models alone.
 SHAPE_PRESETS: dict[str, ShapePreset] = {
-    "qwen2.5-0.5b": ShapePreset(896, 4864, 24, 14, 2, 151936, True),
-    "qwen2.5-1.5b": ShapePreset(1536, 8960, 28, 12, 2, 151936, True),
+    "qwen2.5-0.5b": ShapePreset(896, 4864, 24, 14, 2, 151936, False),
+    "qwen2.5-1.5b": ShapePreset(1536, 8960, 28, 12, 2, 151936, False),
     "qwen2.5-7b": ShapePreset(3584, 18944, 28, 28, 4, 152064, False),
 }
 
@@ -77,10 +82,16 @@ class TinySpec:
             shape = SHAPE_PRESETS[preset]
             if "hidden" in kwargs or "vocab" in kwargs:
                 raise ModelRefError(f"{ref!r}: a preset fixes hidden and vocab")
+            if "noise" in kwargs:
+                raise ModelRefError(f"{ref!r}: noise is for the tiny test models; a preset's pair is cut and quietened")
             kwargs["hidden"], kwargs["vocab"] = shape.hidden, shape.vocab
             kwargs.setdefault("layers", shape.layers)
             if not 1 <= kwargs["layers"] <= shape.layers:
                 raise ModelRefError(f"{ref!r}: layers must be 1..{shape.layers} for {preset}")
+            if ("quiet" in kwargs) != ("quiet_from" in kwargs):
+                raise ModelRefError(f"{ref!r}: quiet and quiet_from go together")
+            if not 0 <= kwargs.get("quiet_from", 0) < shape.layers or not 0.0 <= kwargs.get("quiet", 1.0):
+                raise ModelRefError(f"{ref!r}: quiet_from must be 0..{shape.layers - 1} and quiet >= 0")
         elif "quiet" in kwargs or "quiet_from" in kwargs:
             raise ModelRefError(f"{ref!r}: quiet and quiet_from need a preset")
         return cls(**kwargs)

@@ -110,7 +110,7 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--gemm-path", choices=GEMM_PATHS, default="auto",
                         help="auto: each weight shape's GEMM path (F.linear, weight-left, oneDNN-packed weights; "
                              "for a draft under --dtype auto also an int4 or bf16 copy for its fewest-row steps) "
-                             "chosen by timing at startup, within half of --calibration-s; library: F.linear "
+                             "chosen by timing at startup, within half of --calibration-s (0.7 for a draft); library: F.linear "
                              "everywhere, the kernels of HF generate (nearer its numerics), the cost curve still "
                              "measured")
     parser.add_argument("--int4", choices=("auto", "off"), default="auto",

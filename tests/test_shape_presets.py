@@ -19,12 +19,29 @@ def mini_preset(monkeypatch: pytest.MonkeyPatch) -> str:
     return "mini"
 
 
-def test_presets_carry_the_real_models_shapes() -> None:
+def test_a_preset_ref_takes_the_presets_dimensions() -> None:
     spec = TinySpec.parse("tiny:preset=qwen2.5-1.5b,seed=3")
     assert (spec.hidden, spec.vocab, spec.layers, spec.seed) == (1536, 151936, 28, 3)
     cut = TinySpec.parse("tiny:preset=qwen2.5-1.5b,seed=3,layers=24,quiet_from=2,quiet=0.5")
     assert (cut.layers, cut.quiet_from, cut.quiet) == (24, 2, 0.5)
-    assert SHAPE_PRESETS["qwen2.5-0.5b"].layers == 24
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, embedded_name", [("qwen2.5-0.5b", "qwen2.5-coder-0.5b"),
+                                                   ("qwen2.5-1.5b", "qwen2.5-coder-1.5b")])
+def test_the_embedded_pairs_presets_match_its_converted_configs(preset: str, embedded_name: str) -> None:
+    """The shapes a GPU run times are the ones the embedded pair has (needs `make setup`'s models)."""
+    import json
+
+    from specdec import embedded
+    assert embedded.is_ready(embedded_name), f"{embedded_name} is not converted: run `make setup` first"
+    config = json.loads((embedded.converted_path(embedded_name) / "config.json").read_text())
+    shape = SHAPE_PRESETS[preset]
+    assert (shape.hidden, shape.intermediate, shape.layers, shape.heads, shape.kv_heads, shape.vocab,
+            shape.tie_embeddings) == (config["hidden_size"], config["intermediate_size"],
+                                      config["num_hidden_layers"], config["num_attention_heads"],
+                                      config["num_key_value_heads"], config["vocab_size"],
+                                      bool(config.get("tie_word_embeddings", False)))
 
 
 @pytest.mark.parametrize("ref, message", [
@@ -33,6 +50,10 @@ def test_presets_carry_the_real_models_shapes() -> None:
     ("tiny:preset=qwen2.5-0.5b,hidden=64", "fixes hidden and vocab"),
     ("tiny:seed=1,quiet=0.5", "need a preset"),
     ("tiny:seed=x", "not a number"),
+    ("tiny:preset=qwen2.5-1.5b,noise=0.1", "noise is for the tiny test models"),
+    ("tiny:preset=qwen2.5-1.5b,quiet=0.3", "go together"),
+    ("tiny:preset=qwen2.5-1.5b,quiet_from=-1,quiet=0.3", "quiet_from must be 0..27"),
+    ("tiny:preset=qwen2.5-1.5b,quiet_from=28,quiet=0.3", "quiet_from must be 0..27"),
 ])
 def test_bad_preset_refs_are_refused(ref: str, message: str) -> None:
     with pytest.raises(ModelRefError, match=message):

@@ -511,18 +511,26 @@ def test_target_calibration_measures_load_points_even_on_a_tight_budget() -> Non
     assert [t for t, _ in full.rows_curve()] == [1, 2, 3, 16, 32]
 
 
-def test_the_cost_curve_keeps_half_the_budget_whatever_the_gemm_path_took(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("role, gemm_share", [("draft", 0.7), ("target", 0.5)])
+def test_the_cost_curve_keeps_its_share_whatever_the_gemm_path_took(monkeypatch: pytest.MonkeyPatch, role: str,
+                                                                    gemm_share: float) -> None:
     """A fallback between kinds of weight copies measures the GEMM path twice (up to the whole
-    budget): the cost curve, which seeds the k policy, still gets its half."""
+    budget): the cost curve, which seeds the k policy, still gets the share the GEMM path was not
+    given. A draft's GEMM path gets the larger share (its curve is two row counts; its GEMM path
+    makes, checks and times copies per shape)."""
     from specdec import calibration
-    budgets: list[float] = []
+    budgets: dict[str, float] = {}
+
+    def gemm(model: object, max_m: int, budget_s: float, **kw: object) -> object:
+        budgets["gemm"] = budget_s
+        return linear_path.PathChoice(seconds=30.0)  # far over its share
 
     def curve(model: object, vocab: int, max_tokens: int, contexts: object, budget_s: float, **kw: object) -> object:
-        budgets.append(budget_s)
+        budgets["curve"] = budget_s
         raise StopIteration  # the budget is all this test needs
-    monkeypatch.setattr(linear_path, "choose_and_apply", lambda *a, **kw: linear_path.PathChoice(seconds=30.0))
+    monkeypatch.setattr(linear_path, "choose_and_apply", gemm)
     monkeypatch.setattr(calibration, "measure_cost_curve", curve)
-    core = WorkerCore(load_model("tiny:seed=0"), "draft")
+    core = WorkerCore(load_model("tiny:seed=0"), role)
     with pytest.raises(StopIteration):
         calibrate(core, max_k=3, budget_s=20, reduced_kind=("int4", "bf16"))
-    assert budgets == [10.0]
+    assert budgets == {"gemm": pytest.approx(20 * gemm_share), "curve": pytest.approx(20 * (1 - gemm_share))}
