@@ -23,24 +23,19 @@ import torch
 
 from specdec.calibration import measure_cost_curve
 from specdec.model_refs import SHAPE_PRESETS, TinySpec
-from specdec.models import build_tiny_model, new_cache
+from specdec.models import build_tiny_model, synchronize
 
 log = logging.getLogger("gpu_costs")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
 def generate_tok_s(model: torch.nn.Module, device: torch.device, new_tokens: int, prompt: int = 64) -> float:
     ids = torch.randint(0, 256, (1, prompt), device=device)
     model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm
-    sync(device)
+    synchronize(device)
     start = time.perf_counter()
     model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    sync(device)
+    synchronize(device)
     return new_tokens / (time.perf_counter() - start)
 
 
@@ -73,7 +68,7 @@ def graph_step_ms(model: torch.nn.Module, device: torch.device, context: int = 1
         position.fill_(context + i)
         start = time.perf_counter()
         graph.replay()
-        sync(device)
+        synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times[5:])
 

@@ -17,13 +17,8 @@ import time
 
 import torch
 
-from specdec.models import crop_cache, load_model, new_cache, resolve_dtype
+from specdec.models import crop_cache, load_model, new_cache, resolve_dtype, synchronize
 from specdec.ragged import RaggedForward, RaggedItem
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
@@ -38,10 +33,10 @@ def step_ms(forward: RaggedForward, model: torch.nn.Module, sessions: int, conte
     times = []
     for _ in range(reps + 2):  # two warm-ups
         items = [RaggedItem(c, [5], 1) for c in caches]
-        sync(device)
+        synchronize(device)
         start = time.perf_counter()
         forward(items)
-        sync(device)
+        synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
         for cache, length in zip(caches, lengths):
             crop_cache(cache, length)

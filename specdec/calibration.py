@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from specdec.contract import CostCurve
-from specdec.models import crop_cache, new_cache
+from specdec.models import crop_cache, new_cache, synchronize
 from specdec.worker_core import WorkerCore
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,7 @@ def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int,
                 start = time.perf_counter()
                 # As in service: the logits of every fed row (a verify uses them all).
                 model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=tokens)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                synchronize(device)
                 times.append((time.perf_counter() - start) * 1000.0)
                 crop_cache(cache, context)
             points.append((tokens, context, sorted(times[1:])[len(times[1:]) // 2]))
@@ -152,6 +151,7 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
         return
     kinds = (reduced_kind,) if isinstance(reduced_kind, str) else tuple(reduced_kind or ())
     max_tokens = 2 if core.role == "draft" else max_k + 1
+    gemm_budget_s = budget_s * GEMM_SHARE.get(core.role, 0.5)
     if gemm_path == "library":
         paths = linear_path.PathChoice()
         core.gemm_path = "F.linear everywhere (--gemm-path library)"
@@ -160,7 +160,7 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
         # Row counts for the GEMM path: a session's own steps, and up to 16 rows of batched sessions.
         # The draft's copies, kind by kind, until one keeps enough of its distributions (reduced_overlap).
         paths = linear_path.choose_and_apply(
-            core.model, max(max_tokens, BATCHED_PATH_ROWS), budget_s * GEMM_SHARE.get(core.role, 0.5),
+            core.model, max(max_tokens, BATCHED_PATH_ROWS), gemm_budget_s,
             reduced_kinds=kinds if core.role == "draft" else (),
             check=lambda rows: reduced_overlap(core.model, core.vocab_size, rows), min_score=MIN_REDUCED_OVERLAP)
         core.gemm_path = paths.summary()
@@ -172,7 +172,7 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
     # none of the budget in some startups, only its always-measured points (3 or 4 of 12; loadtest
     # runs 52, 55, 57). Nor is a second kind of copy's measurement (a fallback, choose_and_apply): the
     # curve keeps at least the share of the budget the GEMM path was not given.
-    left = budget_s - min(paths.seconds, budget_s * GEMM_SHARE.get(core.role, 0.5))
+    left = budget_s - min(paths.seconds, gemm_budget_s)
     # The orchestrator prices rounds at the short context; a longer one is measured (and reported for
     # operators) only with budget to spare. The end points of the short one are always measured.
     contexts = tuple(sorted({min(64, core.max_context // 4), min(256, core.max_context // 2)}))

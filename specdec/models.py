@@ -65,11 +65,11 @@ def _build_preset_model(spec: TinySpec, device: torch.device | str = "cpu") -> t
     torch.manual_seed(spec.seed)
     with torch.device(device):
         model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for index in range(spec.quiet_from, shape.layers if spec.quiet != 1.0 else 0):
-            layer = model.model.layers[index]
-            layer.self_attn.o_proj.weight.mul_(spec.quiet)
-            layer.mlp.down_proj.weight.mul_(spec.quiet)
+    if spec.quiet != 1.0:
+        with torch.no_grad():
+            for layer in model.model.layers[spec.quiet_from:]:
+                layer.self_attn.o_proj.weight.mul_(spec.quiet)
+                layer.mlp.down_proj.weight.mul_(spec.quiet)
     if spec.layers < shape.layers:
         model.model.layers = model.model.layers[:spec.layers]
         model.config.num_hidden_layers = spec.layers
@@ -78,6 +78,12 @@ def _build_preset_model(spec: TinySpec, device: torch.device | str = "cpu") -> t
     model.generation_config.eos_token_id = ByteTokenizer.EOS
     model.generation_config.pad_token_id = ByteTokenizer.PAD
     return model.eval()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a wall-clock timing covers it (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------- loading

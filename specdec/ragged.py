@@ -134,11 +134,6 @@ class RaggedForward:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self._rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
-        if len(items) == 1:
-            keys, values = items[0].cache.update(k, v, attn.layer_idx)
-            out, _ = self._attention(attn, q, keys, values, masks[0], dropout=0.0, scaling=attn.scaling,
-                                     sliding_window=getattr(attn, "sliding_window", None))
-            return attn.o_proj(out.reshape(1, x.shape[1], -1).contiguous())
         outputs = []
         for item, s, e, mask in zip(items, starts, starts[1:], masks):
             keys, values = item.cache.update(k[:, :, s:e], v[:, :, s:e], attn.layer_idx)

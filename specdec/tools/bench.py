@@ -152,6 +152,8 @@ class HFRunner:
     def run(self, system: System, mode: str, prompt_name: str, prompt_ids: list[int], max_new: int,
             seed: int) -> Run:
         import copy
+
+        from specdec.models import synchronize
         kwargs: dict[str, Any] = {"max_new_tokens": max_new, "do_sample": mode == "sampled"}
         if mode == "sampled":
             kwargs["temperature"] = 0.7
@@ -167,8 +169,7 @@ class HFRunner:
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.target.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         wall = time.perf_counter() - start
         new = out[0, len(prompt_ids):].tolist()
         target_calls = self.target_calls.calls - t0_target
