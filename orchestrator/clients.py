@@ -91,6 +91,15 @@ class _WorkerClient:
             return await method(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             raise _domain_error(self.role, self.address, err) from err
+        except asyncio.CancelledError:
+            # grpc.aio cancels the calls of a channel closed under them and the await raises
+            # CancelledError, not an RpcError. Unless our own task is being cancelled (the caller
+            # went away), that is the replica going away: the round retries or re-prefills
+            # elsewhere, as after UNAVAILABLE, instead of ending the request as if cancelled.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            raise WorkerUnavailable(f"{self.role} worker at {self.address}: call cancelled (channel closed)") from None
 
     async def end_session(self, session_id: str) -> bool:
         reply = await self._call(self._stub.EndSession, common_pb2.EndSessionRequest(session_id=session_id), 10.0)
@@ -102,8 +111,10 @@ class _WorkerClient:
                                  list(info.eos_token_ids), info.tokenizer_fingerprint,
                                  CostCurve.from_pb(info.forward_costs), info.branch_slots)
 
-    async def close(self) -> None:
-        await self.channel.close()
+    async def close(self, grace_s: float | None = None) -> None:
+        """grace_s: let calls in flight finish for up to that long (a replica leaving the ring);
+        None cancels them (shutdown)."""
+        await self.channel.close(grace=grace_s)
 
 
 class GrpcDraftBackend(_WorkerClient):

@@ -239,7 +239,9 @@ class GenerationEngine:
             deadline.remaining()  # DeadlineExceeded where the caller's deadline ran out first
             raise
         try:
-            saved_tokens, saved_messages = list(session.tokens), list(session.messages)
+            # The statistics too: a retry of the turn with the same seed reuses its uniforms, so the
+            # failed attempt's acceptances must not choose the retry's k (docs/correctness.md).
+            saved_tokens, saved_messages, saved_stats = list(session.tokens), list(session.messages), session.stats.snapshot()
             completed = False
             try:
                 if not session.tokens and (ending := self._ending.get(session_id)) is not None:
@@ -255,6 +257,8 @@ class GenerationEngine:
                 # All or nothing: a failed or cancelled turn leaves the session as it was (no prompt twice).
                 if not completed:
                     session.tokens, session.messages = saved_tokens, saved_messages
+                    saved_stats.timing.load = session.stats.timing.load  # the pair's live load, kept
+                    session.stats = saved_stats
                 self.sessions.touch(session)
                 # A named session whose first turn failed is left as it was before: not there at all.
                 if (ephemeral or not session.tokens) and self.sessions.discard(session):
@@ -288,7 +292,10 @@ class GenerationEngine:
         session.stats.timing.load = prior.timing.load
         guard = self.guard_for(session.session_id) if spec.guarded else None
         observers: list[Any] = [stats, *self.observers]
-        learners: list[Any] = [session.stats, _PriorObserver(prior, spec.picks_target_only)]  # what the policy knows
+        # What the policies know. The pair's prior learns the turn's rounds only once it completes,
+        # for the same reason the session's statistics are put back when it fails.
+        prior_learner = _PriorObserver(prior, spec.picks_target_only)
+        learners: list[Any] = [session.stats, prior_learner]
         label = "" if session.ephemeral else session.session_id
         try:
             while True:
@@ -317,6 +324,7 @@ class GenerationEngine:
             session.ending = True  # the turn is over (ended, failed or cancelled): only cleaning up now
             await round_.settle()  # no pre-draft outlives its turn
         stats.total_ms = (time.perf_counter() - started) * 1000.0
+        prior_learner.commit()
         # Rounds not forced off by the guard: the policy chose their k.
         session.stats.carry_turn_into(prior, isinstance(policy, CostModelPolicy) and stats.rounds > stats.guard_off_rounds)
         if session.messages and params.messages is not None:
@@ -350,11 +358,18 @@ def seeded_stats(draft: WorkerDescription | None, target: WorkerDescription, max
 
 
 class _PriorObserver:
-    """The pair's prior learns from every round but a caller's pinned k = 0 (no sign that drafting loses)."""
+    """The pair's prior learns from every round but a caller's pinned k = 0 (no sign that drafting
+    loses), of turns that complete: held until commit(), so a failed turn's rounds never reach it."""
 
     def __init__(self, prior: SessionStats, policy_picks_target_only: bool) -> None:
         self.prior, self.policy_picks_target_only = prior, policy_picks_target_only
+        self._held: list[RoundRecord] = []
 
     def observe(self, record: RoundRecord) -> None:
         if record.k > 0 or self.policy_picks_target_only:
+            self._held.append(record)
+
+    def commit(self) -> None:
+        for record in self._held:
             self.prior.observe(record, timing=False)
+        self._held.clear()

@@ -197,6 +197,16 @@ class TimingModel:
     # load_factor's running maximum over k, for one (batch, rows curve): every k of every round reads it.
     _factors: tuple[float, object, list[float]] | None = field(default=None, init=False, repr=False, compare=False)
 
+    def draft_prefill_ms(self, rows: int) -> float:
+        """What the draft's forward over `rows` new tokens should take: its startup curve, scaled by
+        how its per-token cost now compares with the curve's one row (a neighbour slows a prefill
+        too); without a curve, the per-token cost for each row (high for a prefill: a bound)."""
+        one, many = curves.extended(self.draft_curve, 1), curves.extended(self.draft_curve, rows)
+        per_token = self.draft_ms_per_token.value
+        if not one or many is None:
+            return rows * per_token
+        return many * min(4.0, max(1.0, per_token / one))
+
     def draft_rows_factor(self, rows: int) -> float:
         """A draft forward over `rows` rows against one row. Unmeasured: rows (as if linear), so
         that without a curve branches are taken only where the draft has that much time to spare."""
@@ -412,6 +422,11 @@ class SessionStats:
         copied = copy.deepcopy(self)
         copied.acceptance, copied.typical = acceptance, typical
         return copied
+
+    def snapshot(self) -> "SessionStats":
+        """A copy to put back if the turn fails (OrchestratorSession's all-or-nothing turn). The
+        pair's live load is shared, not copied: it is the pair's, not the turn's."""
+        return copy.deepcopy(self, {id(self.timing.load): self.timing.load})
 
     def carry_turn_into(self, prior: "SessionStats", policy_chose_k: bool) -> None:
         """At the end of a turn, what the pair's prior takes over from this session (its acceptance,

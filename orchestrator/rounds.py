@@ -54,6 +54,13 @@ log = logging.getLogger(__name__)
 
 # Prefill overlap pays only with a prompt to hide: a follow-up of a few tokens keeps round 1 speculative.
 OVERLAP_MIN_PREFILL = 16
+# A draft call appending more tokens than this gets time for their prefill beyond draft_timeout_s:
+# PREFILL_ALLOWANCE_FACTOR times the draft's expected prefill cost (TimingModel.draft_prefill_ms).
+PREFILL_ALLOWANCE_FROM_ROWS = 16
+PREFILL_ALLOWANCE_FACTOR = 3.0
+# ... and at most this much: a draft that hangs in a prefill is found out within it (without a
+# curve the estimate is a decode step per row, far above a prefill's cost).
+PREFILL_ALLOWANCE_MAX_S = 60.0
 
 
 class DraftHealth:
@@ -522,6 +529,15 @@ class Round:
     def predraft_pending(self) -> bool:
         return self._ahead is not None or bool(self._branches)
 
+    def _prefill_allowance_s(self, rows: int) -> float:
+        """Time a draft call gets beyond draft_timeout_s for the tokens its commit appends: a long
+        prompt's prefill is work, not an outage. Three times its expected cost: timed out, a
+        prefill was abandoned and resent whole every round, each time for the whole timeout."""
+        if rows <= PREFILL_ALLOWANCE_FROM_ROWS:
+            return 0.0
+        expected_s = self.session.stats.timing.draft_prefill_ms(rows) / 1000.0
+        return min(PREFILL_ALLOWANCE_MAX_S, PREFILL_ALLOWANCE_FACTOR * expected_s)
+
     async def _propose(self, k: int, calls: _Calls, canonical: list[int] | None = None) -> DraftReply | None:
         """Ask the draft for k tokens; None if the draft cannot serve this round (it runs target-only).
 
@@ -535,7 +551,7 @@ class Round:
         view = session.draft_views[slot]
         for attempt in range(2):
             commit = view.commit_for(canonical)
-            timeout = self.deadline.cap(w.draft_timeout_s)
+            timeout = self.deadline.cap(w.draft_timeout_s + self._prefill_allowance_s(len(commit.append_tokens)))
             # The replica the call goes to: a failure is its own, even if the replica leaves the
             # ring meanwhile (its channel closed mid-call) and the session maps to another.
             health = w.draft_health.for_session(session.session_id)
@@ -607,6 +623,24 @@ class Round:
                 calls.reprefills += 1
                 reprefilled = True
                 view.reset()
+                continue
+            except CapacityExceeded as exc:
+                # A full target queue or a forward out of memory, mid-turn: waited out as its retry
+                # hint says, within target_retry_s and the deadline, since failing would drop what the
+                # turn has streamed. Before the turn's first token the caller gets it at once: load
+                # shedding, which a client retries with its own backoff. Without a hint (the KV
+                # budget cannot hold the session beside those in use, a message over the size
+                # limit) waiting is not known to help: it fails as before.
+                hint_ms = getattr(exc, "retry_after_ms", None)
+                wait = max(0.05, (hint_ms or 0) / 1000.0)
+                left = self.deadline.remaining()
+                if (hint_ms is None or self.stop.generated == 0 or time.monotonic() + wait > retry_until
+                        or (left is not None and left <= wait)):
+                    raise
+                log.info("target over capacity mid-turn for session %s; retrying in %.0f ms: %s",
+                         session.session_id, wait * 1000, exc)
+                view.keep(commit.cache_len)  # refused, or its caches reset (then NOT_FOUND re-prefills)
+                await asyncio.sleep(wait)
                 continue
             except WorkerUnavailable as exc:
                 # A restart comes back empty (then NOT_FOUND re-prefills); a blip keeps the cache.

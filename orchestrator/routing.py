@@ -139,10 +139,20 @@ async def resolve(name_port: str) -> list[str]:
     return sorted(addresses)
 
 
-async def _close(backend: Any) -> None:
+# A replica that leaves the ring (scale-in, rollout) keeps its channel open this long for the calls
+# still in flight on it: closed at once, grpc.aio cancelled them and the requests failed, where a
+# finished call (or the worker's own drain answering UNAVAILABLE) costs at most a re-prefill.
+REMOVED_REPLICA_GRACE_S = 600.0
+
+
+async def _close(backend: Any, grace_s: float | None = None) -> None:
     closer = getattr(backend, "close", None)
-    if closer is not None:
+    if closer is None:
+        return
+    if grace_s is None:
         await closer()
+    else:
+        await closer(grace_s)
 
 
 class ReplicaPool(Generic[B]):
@@ -158,6 +168,7 @@ class ReplicaPool(Generic[B]):
         self.ejection = ReplicaEjection()
         self.backends: dict[str, B] = {}
         self._task: asyncio.Task[None] | None = None
+        self._closing: dict[asyncio.Task[None], B] = {}  # removed replicas, their channels closing gracefully
         if static:
             self.set_addresses(static)
 
@@ -171,7 +182,10 @@ class ReplicaPool(Generic[B]):
         removed = [a for a in self.backends if a not in addresses]
         for address in removed:
             self.ejection.forget(address)
-            asyncio.get_running_loop().create_task(_close(self.backends.pop(address)))
+            backend = self.backends.pop(address)
+            task = asyncio.get_running_loop().create_task(_close(backend, REMOVED_REPLICA_GRACE_S))
+            self._closing[task] = backend  # held until done: a task only the loop references can be collected
+            task.add_done_callback(lambda done: self._closing.pop(done, None))
         log.info("%s replicas: %s", self.role, ", ".join(addresses) or "none")
         self.ring.set_nodes(addresses)
 
@@ -231,7 +245,10 @@ class ReplicaPool(Generic[B]):
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        for backend in self.backends.values():
+        closing = list(self._closing.items())
+        for task, _ in closing:  # shutting down: no more grace for removed replicas' calls
+            task.cancel()
+        for backend in [b for _, b in closing] + list(self.backends.values()):
             await _close(backend)
 
 

@@ -23,7 +23,7 @@ import torch
 
 from specdec.calibration import measure_cost_curve
 from specdec.model_refs import SHAPE_PRESETS, TinySpec
-from specdec.models import build_tiny_model, synchronize
+from specdec.models import build_tiny_model, configure_attention, synchronize
 
 log = logging.getLogger("gpu_costs")
 
@@ -98,6 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    configure_attention(device)  # the attention backend the workers use
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, object] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                                   "torch": torch.__version__, "dtype": args.dtype, "shapes": {}}

@@ -20,7 +20,7 @@ DEVICE=${DEVICE:-cuda}     # DEVICE=cpu PRESETS=... TARGET=tiny:... DRAFT=tiny:.
 PRESETS=${PRESETS:-qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-1.5b@24,qwen2.5-7b}
 CPU_TARGET=${CPU_TARGET:-tiny:preset=qwen2.5-1.5b,seed=1}   # the embedded pair's shapes, on the host CPU
 CPU_DRAFT=${CPU_DRAFT:-tiny:preset=qwen2.5-0.5b,seed=1}
-STAGES=${STAGES:-costs ragged flips loadtest netbench cpu_paths bench}
+STAGES=${STAGES:-attention costs ragged flips loadtest netbench cpu_paths bench}
 START=$(date +%s)
 mkdir -p "$OUT" "$RES"
 
@@ -74,6 +74,10 @@ case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)" in
 esac
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
+# First: whether new attention shapes cost a cuDNN graph build each (the 2026-11-27 k > 0 slowness),
+# each setting in its own process; the other stages run with the default (off).
+want attention && stage attention 90 bash -c 'for c in on off; do python3 scripts/attention_shapes.py --model "$0" \
+    --device "$1" --cudnn $c --out "$2/attention-$c.json" || exit 1; done' "$TARGET" "$DEVICE" "$RES"
 want costs && stage costs 120 python3 scripts/gpu_costs.py --device "$DEVICE" --presets "$PRESETS" --out "$RES/costs" \
     --bandwidth-tbs "$BW" --pair "$TARGET|$DRAFT"
 want ragged && stage ragged 60 python3 scripts/ragged_steps.py --model "$TARGET" --device "$DEVICE" \

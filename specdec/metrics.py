@@ -41,7 +41,8 @@ class WorkerCollector:
         yield curve
         counters = [("specdec_worker_calls", "Propose/Verify calls", core.counters.calls),
                     ("specdec_worker_fed_tokens", "Tokens run through the model", core.counters.fed_tokens),
-                    ("specdec_worker_prefilled_tokens", "Tokens appended by commits", core.counters.prefilled_tokens),
+                    ("specdec_worker_prefilled_tokens", "Tokens appended by commits and fed (not those already held)",
+                     core.counters.prefilled_tokens),
                     ("specdec_worker_session_misses", "Calls for sessions not held (NOT_FOUND)", core.counters.session_misses),
                     ("specdec_worker_cache_mismatches", "Calls whose prefix did not match (FAILED_PRECONDITION)",
                      core.counters.cache_mismatches),

@@ -185,8 +185,23 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def configure_attention(device: torch.device) -> bool:
+    """Whether cuDNN attention stays on for a CUDA device (process-wide; every model loads through
+    here, so in-process references use the workers' backend). Off unless SPECDEC_CUDNN_ATTENTION=1:
+    cuDNN builds a graph per new (query, key) length pair, which decoding meets every step. On the
+    H200 a new shape cost a median 76.5 against 32 ms a step (2129 traced rounds, 2026-11-27), cuDNN
+    the likely cause, not yet measured switched off (scripts/attention_shapes.py)."""
+    if device.type != "cuda":
+        return False
+    keep = os.environ.get("SPECDEC_CUDNN_ATTENTION", "0") == "1"
+    torch.backends.cuda.enable_cudnn_sdp(keep)
+    log.info("cuDNN attention %s (SPECDEC_CUDNN_ATTENTION=%d)", "on" if keep else "off", int(keep))
+    return keep
+
+
 def load_model(ref: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
     """Load a model for inference. Weights come from safetensors (or GGUF); never from pickle."""
+    configure_attention(resolve_device(device))
     if ref.startswith("tiny"):
         spec = TinySpec.parse(ref)
         where = resolve_device(device)
@@ -204,6 +219,7 @@ def load_model(ref: str, dtype: torch.dtype = torch.float32, device: str = "cpu"
     vocab = int(model.get_output_embeddings().weight.shape[0])
     max_ctx = int(getattr(model.config, "max_position_embeddings", 4096))
     eos = sorted(set(_eos_ids(model, tok)) | set(tok.eos_token_ids))
+    model.generation_config.eos_token_id = eos  # HF generate (the bench's references) stops where the service does
     return LoadedModel(ref, model, tok, vocab, max_ctx, eos)
 
 

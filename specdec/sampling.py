@@ -101,8 +101,8 @@ class Randomness(Protocol):
         (nonzero) keys the draw to the tokens before the position as well."""
         ...
 
-    def accept(self, probability: float, position: int, stream: int) -> bool:
-        """True with the given probability."""
+    def accept(self, probability: float, position: int, stream: int, context: int = 0) -> bool:
+        """True with the given probability; context as for choose."""
         ...
 
 
@@ -114,8 +114,8 @@ class SeededRandomness:
     def choose(self, probs: torch.Tensor, position: int, stream: int, context: int = 0) -> int:
         return sample_index(probs, uniform(self.seed, position, stream, context))
 
-    def accept(self, probability: float, position: int, stream: int) -> bool:
-        return uniform(self.seed, position, stream) < probability
+    def accept(self, probability: float, position: int, stream: int, context: int = 0) -> bool:
+        return uniform(self.seed, position, stream, context) < probability
 
 
 def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -323,11 +323,19 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> Verif
 
 
 def verify_sampled(target_logits: torch.Tensor, draft_tokens: list[int], q: list[SparseDist],
-                   cfg: SamplingConfig, first_position: int, rng: Randomness | None = None) -> VerifyOutcome:
+                   cfg: SamplingConfig, first_position: int, rng: Randomness | None = None,
+                   context: int = 0) -> VerifyOutcome:
     """Lossless rejection sampling (Leviathan et al. / Chen et al.).
 
     target_logits: [len(draft)+1, V]; row i is the target's distribution for the token at absolute
     position first_position + i. q[i] is the draft's distribution the i-th draft token was sampled from.
+
+    context: the key of the tokens before first_position (contract.extend_context_key chained over
+    them), extended by each draft token: the acceptance test and the target's draw at a position are
+    keyed by its whole prefix, as the draft's draw is. A turn that follows text cut by a stop
+    condition, or another request with the same seed, then reaches the same positions with fresh
+    uniforms, which earlier outcomes (that the k policies learned from) did not use
+    (docs/correctness.md, "Randomness").
     """
     if len(q) != len(draft_tokens):
         raise ValueError(f"need one q per draft token, got {len(q)} for {len(draft_tokens)}")
@@ -340,9 +348,12 @@ def verify_sampled(target_logits: torch.Tensor, draft_tokens: list[int], q: list
         accept_probs = acceptance_probabilities(p_all[:k], q_dense, draft_tokens)
     for i in range(k):
         position = first_position + i
-        if rng.accept(accept_probs[i], position, STREAM_ACCEPT):
+        if rng.accept(accept_probs[i], position, STREAM_ACCEPT, context):
+            if context:
+                context = extend_context_key(context, draft_tokens[i])
             continue
         return VerifyOutcome(i, rng.choose(residual_distribution(p_all[i], q_dense[i]), position,
-                                           STREAM_TARGET_SAMPLE))
+                                           STREAM_TARGET_SAMPLE, context))
     position = first_position + len(draft_tokens)
-    return VerifyOutcome(len(draft_tokens), rng.choose(p_all[len(draft_tokens)], position, STREAM_TARGET_SAMPLE))
+    return VerifyOutcome(len(draft_tokens), rng.choose(p_all[len(draft_tokens)], position, STREAM_TARGET_SAMPLE,
+                                                       context))

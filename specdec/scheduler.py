@@ -507,7 +507,7 @@ class BatchScheduler:
         try:
             job.steps = job.make_steps()
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
-            self._fail(job, exc)
+            self._fail(job, self._as_capacity_error(exc))
             return
         self._advance(job, None, first=True)
 
@@ -519,7 +519,9 @@ class BatchScheduler:
         except StopIteration as stop:
             self._finish(job, stop.value)
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
-            self._fail(job, exc)
+            # Out of memory between forwards (a branch's cache copy, the verify rule on the device)
+            # is load as much as in a forward.
+            self._fail(job, self._as_capacity_error(exc))
 
     def _drop_expired(self) -> None:
         now = self._clock()
@@ -646,16 +648,17 @@ class BatchScheduler:
                 job.chunked = False
                 self._advance(job, output)
 
-    def _as_capacity_error(self, exc: BaseException, calls: int, rows: int) -> BaseException:
-        """A forward that ran out of memory is load, not a bug: RESOURCE_EXHAUSTED (retryable, with
-        a hint) instead of INTERNAL. Any other error is returned as it is."""
+    def _as_capacity_error(self, exc: BaseException, calls: int = 0, rows: int = 0) -> BaseException:
+        """Running out of memory is load, not a bug: RESOURCE_EXHAUSTED (retryable, with a hint)
+        instead of INTERNAL. Any other error is returned as it is. calls, rows: of the forward it
+        ran out in (0: outside a forward, in a call's own steps)."""
         if not out_of_memory(exc):
             return exc
         with self._cond:
             retry_ms = self._retry_after_ms()
-        error = CapacityExceeded(f"out of memory ({type(exc).__name__}) in a forward of {calls} calls and {rows} "
-                                 f"rows on {self._name}; retry after ~{retry_ms} ms, or with fewer concurrent calls "
-                                 "or shorter prompts", retry_ms)
+        where = f"a forward of {calls} calls and {rows} rows" if calls else "a call's work between forwards"
+        error = CapacityExceeded(f"out of memory ({type(exc).__name__}) in {where} on {self._name}; retry after "
+                                 f"~{retry_ms} ms, or with fewer concurrent calls or shorter prompts", retry_ms)
         error.__cause__ = exc
         return error
 

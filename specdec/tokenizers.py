@@ -96,6 +96,26 @@ class HFTokenizer:
 
 Tokenizer = ByteTokenizer | HFTokenizer
 
+# Special tokens that end a generation wherever a tokenizer has them, beside its own eos: the chat and
+# document ends llama.cpp also stops at. A GGUF names one eos (Qwen2.5's <|im_end|>), so the model
+# converted from it had lost the <|endoftext|> its published generation config also stops at, and a
+# completion ran on past the end of its document to max_new_tokens.
+END_OF_GENERATION_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",
+                            "<|end|>", "<end_of_turn>")
+
+
+def end_of_generation_ids(tok: Any) -> set[int]:
+    """Ids of END_OF_GENERATION_TOKENS that tok has as special (added) tokens."""
+    special = set(getattr(tok, "all_special_tokens", None) or [])
+    special |= set((getattr(tok, "get_added_vocab", None) or dict)().keys())
+    ids: set[int] = set()
+    for text in END_OF_GENERATION_TOKENS:
+        if text in special:
+            token_id = tok.convert_tokens_to_ids(text)
+            if isinstance(token_id, int) and token_id >= 0 and token_id != getattr(tok, "unk_token_id", None):
+                ids.add(token_id)
+    return ids
+
 
 def load_tokenizer(ref: str) -> Tokenizer:
     if ref.startswith("tiny"):
@@ -111,4 +131,4 @@ def load_tokenizer(ref: str) -> Tokenizer:
             continue
         value = getattr(cfg, "eos_token_id", None)
         eos.update([value] if isinstance(value, int) else list(value or []))
-    return HFTokenizer(tok, sorted(eos))
+    return HFTokenizer(tok, sorted(eos | end_of_generation_ids(tok)))

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from specdec.contract import (EMPTY_CONTEXT_KEY, MAX_BRANCH_SLOTS, CallStats, CallTimer, Commit, CostCurve,
-                              extend_context_key, prefix_hash, session_of, slot_key, validate_session_id)
+                              common_prefix_len, extend_context_key, prefix_hash, session_of, slot_key,
+                              validate_session_id)
 from specdec.errors import CacheMismatch, CapacityExceeded, InvalidRequest, SessionNotFound, SpecdecError
 from specdec.models import LoadedModel, cache_nbytes, copy_cache, crop_cache, estimate_kv_bytes_per_token, new_cache
 from specdec.session_store import SessionStore
@@ -28,20 +29,24 @@ log = logging.getLogger(__name__)
 class WorkerSession:
     cache: Any
     tokens: list[int] = field(default_factory=list)
-    # context_key of tokens[:i + 1] at i: filled on demand (only the draft asks), cut with the tokens.
+    # context_key of tokens[:i + 1] at i: filled on demand (the draft's draws, the target's when
+    # sampling), cut with the tokens.
     prefix_keys: array = field(default_factory=lambda: array("Q"))
     # A copy the session has moved on from: a pre-draft's branch not (yet) taken, or the slot a taken
     # branch replaced. Evicted before live caches (begin_steps marks the slots of its session).
     stale: bool = False
 
-    def context_key(self) -> int:
-        """The draft's key of all the session's tokens (contract.extend_context_key chained over them)."""
+    def context_key(self, length: int | None = None) -> int:
+        """The key of the session's first `length` tokens (all: None), contract.extend_context_key
+        chained over them: what its random draws are keyed by."""
         keys = self.prefix_keys
         key = keys[-1] if keys else EMPTY_CONTEXT_KEY
         for token in self.tokens[len(keys):]:
             key = extend_context_key(key, token)
             keys.append(key)
-        return key
+        if length is None or length == len(self.tokens):
+            return key
+        return keys[length - 1] if length > 0 else EMPTY_CONTEXT_KEY
 
     def nbytes(self) -> int:
         return cache_nbytes(self.cache)
@@ -281,6 +286,12 @@ class WorkerCore:
         session = self._checkout(session_id, commit)
         feed_tokens = list(commit.append_tokens)
         keep = commit.cache_len
+        # What the cache already holds past cache_len of the appended tokens is kept, not fed again:
+        # a call that timed out or was cancelled after its forwards leaves its caller unsure how far
+        # it got (a long prefill resent from cache_len 0 would start over every time), and drafts
+        # the target then accepted are held already. Compared token by token: the same prefix.
+        held = common_prefix_len(session.tokens[keep:keep + len(feed_tokens)], feed_tokens)
+        keep, feed_tokens = keep + held, feed_tokens[held:]
         try:
             if not feed_tokens:
                 if keep == 0:
@@ -296,7 +307,7 @@ class WorkerCore:
                 self.store.pop(session_id)
             raise
         try:
-            stats.prefilled_tokens = len(commit.append_tokens)
+            stats.prefilled_tokens = len(commit.append_tokens) - held
             self.counters.prefilled_tokens += stats.prefilled_tokens
             logits = yield ForwardStep(session, feed_tokens + list(extra_tokens), len(extra_tokens) + 1,
                                        crop_to=keep)

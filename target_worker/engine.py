@@ -73,7 +73,9 @@ class TargetEngine:
                 if params.sampling.greedy:
                     outcome = verify_greedy(rows, drafts)
                 else:
-                    outcome = verify_sampled(rows, drafts, list(params.q), params.sampling, first_position)
+                    # Draws keyed by their whole prefix, from the key of the tokens before the drafts.
+                    outcome = verify_sampled(rows, drafts, list(params.q), params.sampling, first_position,
+                                             context=session.context_key(first_position))
                 # Drop the rejected drafts' KV; the correction/bonus token is fed next round.
                 self.core.truncate(session, first_position + outcome.accepted_len)
             finally:

@@ -92,6 +92,63 @@ async def test_sessions_stick_to_replicas_and_moved_sessions_are_re_prefilled() 
         await stop_orchestrator(handle, backends, drafts + targets, channel)
 
 
+async def test_a_replica_leaving_the_ring_mid_call_costs_a_re_prefill_not_the_request() -> None:
+    """Scale-in or a rollout takes a replica out of the ring while a Verify runs on it. Its channel
+    used to be closed at once, which cancels the calls on it (grpc.aio raises CancelledError, not an
+    RpcError), and the request failed as if its client had cancelled. Now the channel closes with a
+    grace for the calls in flight, and a call cancelled under a caller that is not itself being
+    cancelled is UNAVAILABLE: the turn re-prefills on the replica that owns the session now."""
+    import threading
+    import time
+
+    from orchestrator.clients import GrpcTargetBackend
+    from specdec.errors import WorkerUnavailable
+
+    draft = await start_worker("draft", "tiny:seed=0,noise=0.02")
+    targets = [await start_worker("target", "tiny:seed=0") for _ in range(2)]
+    addr = lambda pair: f"127.0.0.1:{pair[0].port}"  # noqa: E731
+    cfg = OrchestratorConfig(addr(draft), ",".join(addr(t) for t in targets), "tiny:seed=0", connect_timeout_s=10)
+    handle, orch, backends = await start_orchestrator(cfg)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
+    stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+    pool = orch.engine.target.pool
+    leaving = targets[0][1]
+    in_verify = threading.Event()
+    original = leaving.engine.verify_steps
+
+    def slow_second_verify(params):  # on the leaving replica's model thread
+        calls[0] += 1
+        if calls[0] == 2:
+            in_verify.set()
+            time.sleep(0.5)
+        return (yield from original(params))
+    calls = [0]
+    leaving.engine.verify_steps = slow_second_verify
+    try:
+        sid = next(f"user-{i}" for i in range(1000) if pool.ring.node_for(f"user-{i}") == addr(targets[0]))
+        prompt = [3, 4, 7]
+        reply_task = asyncio.ensure_future(stub.Generate(request(prompt_ids=prompt, max_new_tokens=12, session_id=sid,
+                                                                 speculation={"fixed_k": 3}), timeout=60))
+        assert await asyncio.to_thread(in_verify.wait, 30)
+        pool.set_addresses([addr(targets[1])])  # the session's replica leaves mid-Verify
+        reply = await reply_task
+        assert list(reply.token_ids) == reference_greedy(prompt, 12)
+        assert reply.stats.reprefills >= 1 and sid in targets[1][1].core.store._slots
+
+        # A channel closed with no grace (shutdown) under a call: UNAVAILABLE to the round, not a cancel.
+        backend = GrpcTargetBackend(addr(targets[0]))
+        calls[0] = 1
+        in_verify.clear()
+        from specdec.contract import Commit, SamplingConfig
+        call = asyncio.create_task(backend.verify("other", Commit(0, 0, (5, 6, 7)), [], None, SamplingConfig(), 30))
+        assert await asyncio.to_thread(in_verify.wait, 30)
+        await backend.close()
+        with pytest.raises(WorkerUnavailable, match="channel closed"):
+            await call
+    finally:
+        await stop_orchestrator(handle, backends, [draft] + targets, channel)
+
+
 async def test_dns_discovery_resolves_replicas() -> None:
     handle, servicer = await start_worker("target", "tiny:seed=0")
     pool = ReplicaPool("target", f"dns:///localhost:{handle.port}", lambda a: a, refresh_s=0.1)

@@ -353,3 +353,38 @@ def test_a_config_edit_renames_the_configmap_and_so_rolls_the_orchestrators(tmp_
     for overlay in OVERLAYS:
         name, text = config_volume(tree, overlay)
         assert name != before[overlay][0] and "fixed_k = 3" in text, (overlay, name, before[overlay][0])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_leave_the_ring_before_they_refuse_calls_and_exit_within_their_grace(overlay: str) -> None:
+    """A terminating worker keeps serving for --drain-delay-s while the orchestrators' DNS refresh
+    (--discovery-refresh-s) and the DNS TTL (5 s, CoreDNS's default) take it out of the ring: at 5 s
+    it refused calls the orchestrators still sent it. And every pod's drain (delay + --grace-s, plus
+    the orchestrator's settle of up to 5 s) ends before the kubelet's SIGKILL."""
+    docs = rendered_docs(overlay)
+    parsed = {}
+    for dep in (d for d in docs if d["kind"] == "Deployment"):
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        role, ns = parse_container(container, dep["metadata"]["name"])
+        parsed[ROLES[role]] = (dep, ns)
+    refresh = parsed["orchestrator"][1].discovery_refresh_s
+    for role, (dep, ns) in parsed.items():
+        if role != "orchestrator":
+            assert ns.drain_delay_s >= refresh + 5 + 2, (role, ns.drain_delay_s, refresh)
+        settle = 5 if role == "orchestrator" else 0
+        grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace >= ns.drain_delay_s + ns.grace_s + settle + 2, (role, grace)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_drain_never_takes_the_only_target(overlay: str) -> None:
+    """The service cannot run without a target (a lost draft costs speed only): production keeps two,
+    its PDB at least one. The one-node demo keeps one, which a drain may take."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered_docs(overlay)}
+    replicas = docs[("Deployment", "specdec-target")]["spec"]["replicas"]
+    hpa = docs[("HorizontalPodAutoscaler", "specdec-target")]["spec"]
+    pdb = docs[("PodDisruptionBudget", "specdec-target")]["spec"]
+    if overlay == "cpu-demo":
+        assert replicas == hpa["minReplicas"] == 1 and pdb == {**pdb, "maxUnavailable": 1}
+    else:
+        assert replicas >= 2 and hpa["minReplicas"] >= 2 and pdb.get("minAvailable") == 1

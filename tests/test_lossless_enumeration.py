@@ -59,7 +59,7 @@ class ScriptedRandomness:
         p = p / p.sum()
         return self._decide([(i, float(p[i])) for i in range(p.shape[0])])
 
-    def accept(self, probability: float, position: int, stream: int) -> bool:
+    def accept(self, probability: float, position: int, stream: int, context: int = 0) -> bool:
         return bool(self._decide([(1, probability), (0, 1.0 - probability)]))
 
 
@@ -491,7 +491,8 @@ def test_a_k_that_reads_thrown_away_drafts_leaves_the_output_the_targets() -> No
             d = propose_tokens(draft(ctx), lambda t: (fed.append(t), draft(tuple(fed)))[1], k, cfg, len(ctx), 256,
                                min_draft_prob, rng, WorkerSession(None, list(ctx)).context_key())  # as the draft
             rows = torch.stack([target(ctx + tuple(d.tokens[:i])) for i in range(len(d.tokens) + 1)])
-            out = verify_sampled(rows, d.tokens, [SparseDist.from_pb(q.to_pb()) for q in d.q], cfg, len(ctx), rng)
+            out = verify_sampled(rows, d.tokens, [SparseDist.from_pb(q.to_pb()) for q in d.q], cfg, len(ctx), rng,
+                                 WorkerSession(None, list(ctx)).context_key())  # as the target
             ctx, last = ctx + tuple(out.emitted(d.tokens)), (len(d.tokens), out.accepted_len)
         return ctx[:n_tokens]
 

@@ -35,6 +35,17 @@ async def test_real_pair_greedy_identical_to_target_alone() -> None:
         await stack.close()
 
 
+def test_the_embedded_models_stop_at_the_end_of_a_document_too() -> None:
+    """<|endoftext|> (151643) as well as <|im_end|> (151645), as the published Qwen2.5 generation
+    config has them; the GGUF named only the latter. The loaded model's generation config agrees, so
+    HF generate (the bench's reference) stops where the service does."""
+    from specdec.models import load_model
+    from specdec.tokenizers import load_tokenizer
+    assert {151643, 151645} <= set(load_tokenizer(TARGET).eos_token_ids)
+    loaded = load_model(DRAFT)
+    assert {151643, 151645} <= set(loaded.eos_token_ids) <= set(loaded.model.generation_config.eos_token_id)
+
+
 def test_incremental_text_equals_decoding_the_whole_output_on_the_real_tokenizer() -> None:
     """Byte-level BPE: CJK, emoji and accents split across tokens, streamed a round at a time."""
     from orchestrator.text import TextAssembler

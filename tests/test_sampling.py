@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdec import sampling
+from specdec.contract import EMPTY_CONTEXT_KEY, extend_context_key
 from specdec.sampling import (SamplingConfig, SeededRandomness, acceptance_probability, propose_tokens,
                               target_distribution, verify_greedy, verify_sampled, warp)
 
@@ -227,3 +228,41 @@ def test_the_draft_drafts_only_ids_its_tokenizer_knows() -> None:
         proposal = draft.propose(ProposeParams(f"s{seed}", Commit(0, 0, prompt), 3, cfg))
         assert all(int(q.token_ids.max()) < 260 for q in proposal.q) and max(proposal.tokens) < 260
         target.verify(VerifyParams(f"s{seed}", Commit(0, 0, prompt), tuple(proposal.tokens), tuple(proposal.q), cfg))
+
+
+class RecordingRandomness:
+    """Accepts the first `accepts` drafts, then rejects; records the keys of every decision."""
+
+    def __init__(self, accepts: int) -> None:
+        self.accepts, self.calls = accepts, []
+
+    def accept(self, probability: float, position: int, stream: int, context: int = 0) -> bool:
+        self.calls.append(("accept", position, stream, context))
+        return len([c for c in self.calls if c[0] == "accept"]) <= self.accepts
+
+    def choose(self, probs: torch.Tensor, position: int, stream: int, context: int = 0) -> int:
+        self.calls.append(("choose", position, stream, context))
+        return int(torch.argmax(probs))
+
+
+@pytest.mark.parametrize("accepts", [0, 2, 3])
+def test_verify_keys_acceptance_and_target_draws_by_their_whole_prefix(accepts: int) -> None:
+    """Each acceptance test and the target's draw are keyed by the tokens before their position (the
+    prefix key extended by each accepted draft), as the draft's draws are: text cut by a stop
+    condition, or another request with the same seed, meets these positions with fresh uniforms."""
+    cfg, target, draft = CASES["temperature"]
+    drafts = [1, 2, 0]
+    rows = torch.stack([target(tuple(drafts[:i])) for i in range(4)])
+    q = [sampling.sparsify(warp(draft(tuple(drafts[:i])), cfg), V) for i in range(3)]
+    before = extend_context_key(EMPTY_CONTEXT_KEY, 7)
+    rng = RecordingRandomness(accepts)
+    outcome = sampling.verify_sampled(rows, drafts, q, cfg, 10, rng, context=before)
+    assert outcome.accepted_len == accepts
+    keys = [before]
+    for token in drafts:
+        keys.append(extend_context_key(keys[-1], token))
+    expected = [("accept", 10 + i, 2, keys[i]) for i in range(min(accepts + 1, 3))]
+    expected.append(("choose", 10 + accepts, 3, keys[accepts]))
+    assert rng.calls == expected
+    # The service's own uniforms: a different prefix at the same seed and position draws afresh.
+    assert sampling.uniform(cfg.seed, 10, 2, keys[0]) != sampling.uniform(cfg.seed, 10, 2, keys[1])

@@ -362,6 +362,32 @@ def test_a_steps_own_out_of_memory_is_capacity_too() -> None:
         scheduler.close()
 
 
+def test_running_out_of_memory_between_forwards_is_capacity_too(forward) -> None:
+    """Out of memory in a call's own work outside a forward (a branch's cache copy before its first
+    forward, the verify rule on the device after one) is load as well: RESOURCE_EXHAUSTED with a
+    retry hint, not INTERNAL. Other errors there stay what they are."""
+    def failing(session: str, after_forward: bool, error: BaseException):
+        def make():
+            if after_forward:
+                yield Step(session, [0])
+            raise error
+        return make
+
+    scheduler = make_scheduler(forward)
+    try:
+        for after_forward in (False, True):
+            future, _ = scheduler.submit("a", failing("a", after_forward, OutOfMemoryError("CUDA out of memory")))
+            with pytest.raises(CapacityExceeded, match="between forwards") as failed:
+                future.result(WAIT_S)
+            assert failed.value.retry_after_ms > 0
+        future, _ = scheduler.submit("b", failing("b", True, ValueError("a bug")))
+        with pytest.raises(ValueError, match="a bug"):
+            future.result(WAIT_S)
+        assert scheduler.submit("c", call("c"))[0].result(WAIT_S) == [1]
+    finally:
+        scheduler.close()
+
+
 def test_a_failure_of_the_model_thread_fails_every_call_and_every_later_one(forward, caplog) -> None:
     """A bug outside the calls' own error handling (here in _select) killed the model thread
     silently: its calls and every later one waited forever (a Verify for the orchestrator's whole

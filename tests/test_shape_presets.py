@@ -119,3 +119,38 @@ def test_the_ragged_step_script_reports_each_session_count(tmp_path, monkeypatch
     runpy.run_path(str(script), run_name="__main__")
     rows = json.loads(out.read_text())["rows"]
     assert [row["sessions"] for row in rows] == [1, 3] and all(row["step_ms"] > 0 for row in rows)
+
+
+def test_the_attention_shape_script_times_new_and_repeated_shapes(tmp_path, monkeypatch) -> None:
+    """scripts/attention_shapes.py (the gpu_session.sh stage that settles the cuDNN question), on the CPU."""
+    import json
+    import os
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "attention_shapes.py"
+    out = tmp_path / "attention.json"
+    monkeypatch.setenv("SPECDEC_CUDNN_ATTENTION", "0")  # the script sets it; restored after the test
+    monkeypatch.setattr(sys, "argv", [str(script), "--model", "tiny:seed=1", "--device", "cpu", "--dtype", "float32",
+                                      "--cudnn", "off", "--context", "16", "--steps", "4", "--out", str(out)])
+    runpy.run_path(str(script), run_name="__main__")
+    report = json.loads(out.read_text())
+    assert set(report["ms"]) == {"new", "repeat"} and report["cudnn_sdp_enabled"] is None
+    assert all(len(v) == 2 and min(v) > 0 for by_rows in report["ms"].values() for v in by_rows.values())
+    assert os.environ["SPECDEC_CUDNN_ATTENTION"] == "0"
+
+
+def test_cuda_devices_turn_cudnn_attention_off_unless_asked(monkeypatch) -> None:
+    """cuDNN attention builds a graph per new (rows, key length) pair, which decoding almost never
+    repeats (specdec.models.configure_attention): off on CUDA by default, on with
+    SPECDEC_CUDNN_ATTENTION=1, untouched on a CPU."""
+    from specdec import models
+
+    calls: list[bool] = []
+    monkeypatch.setattr(models.torch.backends.cuda, "enable_cudnn_sdp", calls.append)
+    monkeypatch.delenv("SPECDEC_CUDNN_ATTENTION", raising=False)
+    assert models.configure_attention(torch.device("cpu")) is False and calls == []
+    assert models.configure_attention(torch.device("cuda")) is False and calls == [False]
+    monkeypatch.setenv("SPECDEC_CUDNN_ATTENTION", "1")
+    assert models.configure_attention(torch.device("cuda", 0)) is True and calls == [False, True]

@@ -137,6 +137,28 @@ def test_the_hf_tokenizer_decodes_without_cleaning_up_spaces() -> None:
     assert tok.kwargs == {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
 
 
+def test_the_chat_and_document_ends_a_tokenizer_has_end_a_generation() -> None:
+    """The default model's GGUF names one eos (<|im_end|>); its published generation config also
+    stops at <|endoftext|>, which the conversion lost, so a completion ran on past the end of its
+    document. Special tokens of END_OF_GENERATION_TOKENS end it too; plain text spelling one does not."""
+    from specdec.tokenizers import end_of_generation_ids
+
+    class Tok:
+        all_special_tokens = ["<|endoftext|>", "<|im_end|>", "<unk>"]
+        unk_token_id = 0
+        ids = {"<|endoftext|>": 151643, "<|im_end|>": 151645, "<|eot_id|>": 0}
+
+        def get_added_vocab(self):
+            return {"<|im_start|>": 151644, "<|endoftext|>": 151643, "<|im_end|>": 151645}
+
+        def convert_tokens_to_ids(self, text):
+            return self.ids.get(text, self.unk_token_id)
+    assert end_of_generation_ids(Tok()) == {151643, 151645}
+    Tok.all_special_tokens = []
+    Tok.get_added_vocab = lambda self: {}
+    assert end_of_generation_ids(Tok()) == set()
+
+
 def test_a_skipped_special_token_keeps_the_next_tokens_space() -> None:
     """A special token decodes to nothing: as the next token's only context, a SentencePiece-style
     decoder dropped that token's leading space ("Helloworld"), and the stop string " world" was missed."""

@@ -14,10 +14,10 @@ import pytest
 
 from orchestrator.backends import DraftReply, VerifyReply, WorkerDescription
 from orchestrator.config import SpeculationOverride
-from orchestrator.api import GenerateParams
+from orchestrator.api import EngineLimits, GenerateParams
 from orchestrator.engine import GenerationEngine
 from orchestrator.rounds import DraftHealth
-from specdec.errors import DeadlineExceeded, InvalidRequest, WorkerUnavailable
+from specdec.errors import CapacityExceeded, DeadlineExceeded, InvalidRequest, WorkerUnavailable
 from specdec.models import ByteTokenizer
 from specdec.v1 import common_pb2
 from tests.stack import cancel_stream_after, request, start_stack
@@ -66,6 +66,37 @@ async def test_cancelled_turn_leaves_the_session_as_before(disagreeing_stack) ->
     rest = [list((await stack.generate(prompt_ids=turn, max_new_tokens=NEW, session_id="s",
                                        speculation=SPEC)).token_ids) for turn in TURNS[1:]]
     assert [list(first.token_ids)] + rest == reference
+
+
+def _learned(stats) -> tuple:
+    t = stats.timing
+    return (stats.acceptance.value, stats.typical.value, stats.rounds, stats.last_k, stats.last_accepted,
+            stats.bonus_match.value, t.draft_ms_per_token.value, sorted((k, e.value) for k, e in t.verify_by_k.items()),
+            sorted((k, v[0], v[1]) for k, v in stats.arms.items()))
+
+
+async def test_a_failed_turn_teaches_neither_the_session_nor_the_pair(disagreeing_stack) -> None:
+    """A turn retried with the same seed reuses its uniforms, so what the failed attempt's rounds
+    accepted must not choose the retry's k (that would key k to the very uniforms the retry then
+    uses: a biased retry). A cancelled turn leaves the session's statistics and the pair's prior as
+    they were; a completed one teaches both."""
+    stack = disagreeing_stack
+    engine = stack.orch.engine
+    await stack.generate(prompt_ids=TURNS[0], max_new_tokens=NEW, session_id="s", seed=3, temperature=1.0)
+    session, prior = engine.sessions.get("s"), engine.prior_for("s")
+    before, prior_before = _learned(session.stats), _learned(prior)
+    assert session.stats.rounds > 0
+    await cancel_stream_after(stack, 6, prompt_ids=TURNS[1], max_new_tokens=NEW, session_id="s", seed=4,
+                              temperature=1.0)
+    for _ in range(1000):
+        if not session.lock.locked():
+            break
+        await asyncio.sleep(0.01)
+    assert not session.lock.locked()
+    assert _learned(session.stats) == before and _learned(prior) == prior_before
+    assert session.stats.timing.load is prior.timing.load  # the pair's live load stays shared
+    await stack.generate(prompt_ids=TURNS[1], max_new_tokens=NEW, session_id="s", seed=4, temperature=1.0)
+    assert session.stats.rounds > before[2] and _learned(prior) != prior_before
 
 
 @pytest.mark.parametrize("worker,method,call_number", [("target", "verify_steps", 4), ("draft", "propose_steps", 4)])
@@ -208,6 +239,109 @@ async def test_a_draft_timeout_does_not_re_prefill_the_prefix() -> None:
     # The draft is still believed to hold the prefix it was sent before the slow call.
     assert after_timeout.cache_len >= draft.commits[1].cache_len >= len(prompt) - 1
     assert len(after_timeout.append_tokens) <= 8
+
+
+class _FullTarget(_EchoTarget):
+    """Answers RESOURCE_EXHAUSTED (a full queue, with a retry hint) on the given verify calls."""
+
+    def __init__(self, full_on: set[int], hint_ms: int | None = 30) -> None:
+        self.calls, self.full_on, self.hint_ms = 0, full_on, hint_ms
+
+    async def verify(self, session_id, commit, draft_tokens, q_payload, sampling, timeout_s):
+        self.calls += 1
+        if self.calls in self.full_on:
+            raise CapacityExceeded("target worker queue is full", retry_after_ms=self.hint_ms)
+        return await super().verify(session_id, commit, draft_tokens, q_payload, sampling, timeout_s)
+
+
+async def test_a_full_target_mid_turn_is_waited_out_not_a_failed_turn() -> None:
+    """RESOURCE_EXHAUSTED from the target after the turn has streamed tokens is retried after its hint
+    (failing would drop the streamed output); before the first token, or without a hint (a KV budget
+    that cannot hold the session: waiting is not known to help), it reaches the caller at once."""
+    def engine_for(target):
+        engine = GenerationEngine(_SlowOnceDraft(), target, ByteTokenizer(),
+                                  WorkerDescription("target", "fake", 260, 4096, [257]))
+        engine.draft_health.entries["draft"] = DraftHealth(initial_s=0.0)
+        return engine
+    params = GenerateParams(prompt_ids=(5, 6, 7), max_new_tokens=12, speculation=SpeculationOverride(fixed_k=0))
+    mid = _FullTarget({3, 4})
+    tokens = [t async for event in engine_for(mid).generate(params) for t in event.token_ids]
+    assert len(tokens) == 12 and mid.calls == 14  # 12 rounds of k = 0, the third refused twice
+    for target in (_FullTarget({1}), _FullTarget({3}, hint_ms=None)):
+        with pytest.raises(CapacityExceeded, match="queue is full"):
+            async for _ in engine_for(target).generate(params):
+                pass
+        assert target.calls == min(target.full_on)
+
+
+class _PrefillBoundDraft:
+    """A draft whose calls take 1 ms per appended token: one whose timeout is shorter raises
+    DeadlineExceeded after the timeout, but holds the tokens it was sent by then (the worker's forward
+    runs on), as a real worker does."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, float]] = []
+        self.held: list[int] = []
+
+    async def propose(self, session_id, commit, k, sampling, min_draft_prob, timeout_s, slot=0, fork_from=None):
+        self.calls.append((commit, timeout_s))
+        tokens = self.held[:commit.cache_len] + list(commit.append_tokens)
+        self.held = tokens
+        if len(commit.append_tokens) * 0.001 > timeout_s:
+            await asyncio.sleep(timeout_s)
+            raise DeadlineExceeded("draft call took longer than the draft timeout")
+        return DraftReply([7] * k, [0.9] * k, len(tokens) + k - 1, 1.0, len(commit.append_tokens))
+
+    async def end_session(self, session_id):
+        return True
+
+
+async def test_a_long_prompt_gets_time_for_the_drafts_prefill_beyond_the_draft_timeout() -> None:
+    """A prompt whose draft prefill outlasts draft_timeout_s was abandoned, resent whole from
+    cache_len 0 the next round and abandoned again: the session never speculated, each round waited
+    the whole timeout, and the draft went into backoff for everyone. The call now gets time for the
+    prefill (a multiple of its expected cost); calls that append a few tokens keep the plain timeout."""
+    draft = _PrefillBoundDraft()
+    limits = EngineLimits(draft_timeout_s=0.2)
+    engine = GenerationEngine(draft, _EchoTarget(), ByteTokenizer(),
+                              WorkerDescription("target", "fake", 260, 4096, [257]), limits=limits)
+    prompt = tuple(1 + i % 250 for i in range(400))  # 0.4 s of prefill at 1 ms a token
+    params = GenerateParams(prompt_ids=prompt, max_new_tokens=12, speculation=SpeculationOverride(fixed_k=3))
+    started = time.monotonic()
+    async for _ in engine.generate(params):
+        pass
+    assert time.monotonic() - started < 5.0
+    first_commit, first_timeout = draft.calls[0]
+    assert len(first_commit.append_tokens) == len(prompt) and first_timeout > 0.4
+    assert all(timeout == pytest.approx(0.2, abs=0.01) for commit, timeout in draft.calls[1:]
+               if len(commit.append_tokens) <= 16)
+    assert all(commit.cache_len >= len(prompt) - 1 for commit, _ in draft.calls[1:])  # never resent whole
+    assert not engine.draft_degraded
+
+
+def test_a_commit_resending_tokens_the_worker_holds_feeds_only_the_rest() -> None:
+    """A call that timed out or was cancelled after its forwards leaves the caller unsure how far it
+    got, so it resends from what it knows the worker holds. The worker keeps what it holds of those
+    tokens and feeds the rest: a long prefill resent from cache_len 0 does not start over, and what
+    it drafts is what a fresh session drafts."""
+    from draft_worker.engine import DraftEngine, ProposeParams
+    from specdec.contract import Commit, SamplingConfig
+    from specdec.models import load_model
+    from specdec.worker_core import WorkerCore
+
+    engine = DraftEngine(WorkerCore(load_model("tiny:seed=0,noise=0.03"), "draft"))
+    greedy = SamplingConfig()
+    text = list(range(5, 45))
+    engine.propose(ProposeParams("s", Commit(0, 0, tuple(text)), 1, greedy))
+    again = engine.propose(ProposeParams("s", Commit(0, 0, tuple(text + [42])), 3, greedy))
+    fresh = engine.propose(ProposeParams("fresh", Commit(0, 0, tuple(text + [42])), 3, greedy))
+    assert again.stats.prefilled_tokens == 1 and again.stats.fed_tokens == 1 + 2  # [42], then 2 drafts
+    assert fresh.stats.prefilled_tokens == len(text) + 1
+    assert again.tokens == fresh.tokens and again.cache_len == fresh.cache_len
+    # A resent prefix that differs from what is held past cache_len is fed from the first difference.
+    other = engine.propose(ProposeParams("s", Commit(0, 0, tuple(text[:10] + [99] + text[11:])), 2, greedy))
+    alone = engine.propose(ProposeParams("alone", Commit(0, 0, tuple(text[:10] + [99] + text[11:])), 2, greedy))
+    assert other.stats.prefilled_tokens == len(text) - 10 and other.tokens == alone.tokens
 
 
 async def test_a_forward_that_fails_halfway_leaves_no_stray_cache_entries(disagreeing_stack, monkeypatch) -> None:
