@@ -220,8 +220,11 @@ class ReplicaPool(Generic[B]):
 
     async def call(self, node: str, run: Callable[[B], Awaitable[R]]) -> R:
         """run(the node's backend), with its outcome told to the ejection rule."""
+        backend = self.backends.get(node)
+        if backend is None:  # it left the ring since the caller chose it (first_answer awaits between nodes)
+            raise WorkerUnavailable(f"{self.role} replica {node} is no longer discovered")
         try:
-            result = await run(self.backends[node])
+            result = await run(backend)
         except WorkerUnavailable:
             self.ejection.failed(node)
             raise

@@ -149,6 +149,25 @@ async def test_a_replica_leaving_the_ring_mid_call_costs_a_re_prefill_not_the_re
         await stop_orchestrator(handle, backends, [draft] + targets, channel)
 
 
+async def test_first_answer_goes_on_when_a_replica_leaves_between_tries() -> None:
+    """A DNS refresh can drop a replica while first_answer (startup, GetInfo) waits on the one before
+    it: the next try answers UNAVAILABLE for the replica that left (a KeyError crashed startup), and
+    the one after answers."""
+    from specdec.errors import WorkerUnavailable
+    pool = ReplicaPool("target", "a:1,b:1,c:1", lambda address: address)
+    tried: list[str] = []
+
+    async def run(backend: str) -> str:
+        tried.append(backend)
+        if backend == "a:1":
+            pool.set_addresses(["a:1", "c:1"])  # b:1 leaves while a:1 is being tried
+            raise WorkerUnavailable("a:1 is down")
+        return backend
+    assert await pool.first_answer(run) == "c:1"
+    assert tried == ["a:1", "c:1"]
+    await pool.close()
+
+
 async def test_dns_discovery_resolves_replicas() -> None:
     handle, servicer = await start_worker("target", "tiny:seed=0")
     pool = ReplicaPool("target", f"dns:///localhost:{handle.port}", lambda a: a, refresh_s=0.1)

@@ -388,3 +388,17 @@ def test_a_drain_never_takes_the_only_target(overlay: str) -> None:
         assert replicas == hpa["minReplicas"] == 1 and pdb == {**pdb, "maxUnavailable": 1}
     else:
         assert replicas >= 2 and hpa["minReplicas"] >= 2 and pdb.get("minAvailable") == 1
+
+
+def test_gpu_workers_scale_on_a_metric_the_workers_export() -> None:
+    """On a GPU the model thread keeps about one core busy at any load: a CPU-utilisation HPA never
+    scaled the target. The gpu overlay's worker HPAs read the model's busy fraction, a gauge each
+    worker exports (a rename there must rename it here)."""
+    metrics_source = (ROOT / "specdec" / "metrics.py").read_text()
+    for doc in rendered_docs("gpu"):
+        if doc["kind"] != "HorizontalPodAutoscaler" or doc["metadata"]["name"] == "specdec-orchestrator":
+            continue
+        (metric,) = doc["spec"]["metrics"]
+        assert metric["type"] == "Pods", doc["metadata"]["name"]
+        name = metric["pods"]["metric"]["name"]
+        assert f'("{name}",' in metrics_source, name
