@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -85,12 +86,19 @@ class _WorkerClient:
     def __init__(self, address: str, channel: grpc.aio.Channel | None = None) -> None:
         self.address = address
         self.channel = channel or open_channel(address)
+        self._in_flight = 0
+        self._idle = asyncio.Event()  # set while no call is in flight (close waits for it)
+        self._idle.set()
 
     async def _call(self, method: Any, request: Any, timeout_s: float | None) -> Any:
+        self._in_flight += 1
+        self._idle.clear()
         try:
             return await method(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             raise _domain_error(self.role, self.address, err) from err
+        except grpc.aio.UsageError as err:  # a call on a channel already closed (its replica left)
+            raise WorkerUnavailable(f"{self.role} worker at {self.address}: {err}") from None
         except asyncio.CancelledError:
             # grpc.aio cancels the calls of a channel closed under them and the await raises
             # CancelledError, not an RpcError. Unless our own task is being cancelled (the caller
@@ -100,6 +108,10 @@ class _WorkerClient:
             if task is not None and task.cancelling():
                 raise
             raise WorkerUnavailable(f"{self.role} worker at {self.address}: call cancelled (channel closed)") from None
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
 
     async def end_session(self, session_id: str) -> bool:
         reply = await self._call(self._stub.EndSession, common_pb2.EndSessionRequest(session_id=session_id), 10.0)
@@ -112,9 +124,15 @@ class _WorkerClient:
                                  CostCurve.from_pb(info.forward_costs), info.branch_slots)
 
     async def close(self, grace_s: float | None = None) -> None:
-        """grace_s: let calls in flight finish for up to that long (a replica leaving the ring);
-        None cancels them (shutdown)."""
-        await self.channel.close(grace=grace_s)
+        """grace_s: let calls in flight finish for up to that long first (a replica leaving the
+        ring); None cancels them (shutdown). The wait is ours, not grpc's close(grace): cancelled
+        (the orchestrator shutting down meanwhile), it leaves the channel open for the close that
+        follows, where grpc's marks the channel closed before waiting and a later close(None) then
+        did nothing, leaving the calls running and the channel open."""
+        if grace_s:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), grace_s)
+        await self.channel.close()
 
 
 class GrpcDraftBackend(_WorkerClient):

@@ -226,7 +226,8 @@ class ReplicaPool(Generic[B]):
         try:
             result = await run(backend)
         except WorkerUnavailable:
-            self.ejection.failed(node)
+            if node in self.backends:  # one that left the ring meanwhile is forgotten, not passed over
+                self.ejection.failed(node)
             raise
         self.ejection.succeeded(node)
         return result

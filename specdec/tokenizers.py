@@ -100,14 +100,14 @@ Tokenizer = ByteTokenizer | HFTokenizer
 # document ends llama.cpp also stops at. A GGUF names one eos (Qwen2.5's <|im_end|>), so the model
 # converted from it had lost the <|endoftext|> its published generation config also stops at, and a
 # completion ran on past the end of its document to max_new_tokens.
+# (Not <|end|>: gpt-oss ends every message with it, its analysis before its answer among them.)
 END_OF_GENERATION_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",
-                            "<|end|>", "<end_of_turn>")
+                            "<end_of_turn>")
 
 
 def end_of_generation_ids(tok: Any) -> set[int]:
-    """Ids of END_OF_GENERATION_TOKENS that tok has as special (added) tokens."""
+    """Ids of END_OF_GENERATION_TOKENS that tok marks special (added but not special: plain text)."""
     special = set(getattr(tok, "all_special_tokens", None) or [])
-    special |= set((getattr(tok, "get_added_vocab", None) or dict)().keys())
     ids: set[int] = set()
     for text in END_OF_GENERATION_TOKENS:
         if text in special:

@@ -99,7 +99,6 @@ async def test_a_replica_leaving_the_ring_mid_call_costs_a_re_prefill_not_the_re
     grace for the calls in flight, and a call cancelled under a caller that is not itself being
     cancelled is UNAVAILABLE: the turn re-prefills on the replica that owns the session now."""
     import threading
-    import time
 
     from orchestrator.clients import GrpcTargetBackend
     from specdec.errors import WorkerUnavailable
@@ -113,17 +112,28 @@ async def test_a_replica_leaving_the_ring_mid_call_costs_a_re_prefill_not_the_re
     stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
     pool = orch.engine.target.pool
     leaving = targets[0][1]
-    in_verify = threading.Event()
+    in_verify, release = threading.Event(), threading.Event()
     original = leaving.engine.verify_steps
 
-    def slow_second_verify(params):  # on the leaving replica's model thread
+    def held_second_verify(params):  # on the leaving replica's model thread: held until released
         calls[0] += 1
         if calls[0] == 2:
             in_verify.set()
-            time.sleep(0.5)
+            release.wait(30)
         return (yield from original(params))
     calls = [0]
-    leaving.engine.verify_steps = slow_second_verify
+    leaving.engine.verify_steps = held_second_verify
+    failed: list[str] = []
+    pool_call = pool.call
+
+    async def recording_call(node, run):
+        try:
+            return await pool_call(node, run)
+        except WorkerUnavailable:
+            failed.append(node)
+            raise
+    pool.call = recording_call
+    backend = GrpcTargetBackend(addr(targets[0]))
     try:
         sid = next(f"user-{i}" for i in range(1000) if pool.ring.node_for(f"user-{i}") == addr(targets[0]))
         prompt = [3, 4, 7]
@@ -131,21 +141,28 @@ async def test_a_replica_leaving_the_ring_mid_call_costs_a_re_prefill_not_the_re
                                                                  speculation={"fixed_k": 3}), timeout=60))
         assert await asyncio.to_thread(in_verify.wait, 30)
         pool.set_addresses([addr(targets[1])])  # the session's replica leaves mid-Verify
+        await asyncio.sleep(0.2)  # its channel is closing by now
+        release.set()
         reply = await reply_task
         assert list(reply.token_ids) == reference_greedy(prompt, 12)
         assert reply.stats.reprefills >= 1 and sid in targets[1][1].core.store._slots
+        assert failed == []  # the Verify in flight finished on the leaving replica: no retry
 
         # A channel closed with no grace (shutdown) under a call: UNAVAILABLE to the round, not a cancel.
-        backend = GrpcTargetBackend(addr(targets[0]))
         calls[0] = 1
         in_verify.clear()
+        release.clear()
         from specdec.contract import Commit, SamplingConfig
         call = asyncio.create_task(backend.verify("other", Commit(0, 0, (5, 6, 7)), [], None, SamplingConfig(), 30))
         assert await asyncio.to_thread(in_verify.wait, 30)
         await backend.close()
         with pytest.raises(WorkerUnavailable, match="channel closed"):
             await call
+        with pytest.raises(WorkerUnavailable, match="closed"):  # and a call on the closed channel
+            await backend.verify("other", Commit(0, 0, (5,)), [], None, SamplingConfig(), 30)
     finally:
+        release.set()
+        await backend.close()
         await stop_orchestrator(handle, backends, [draft] + targets, channel)
 
 

@@ -402,3 +402,18 @@ def test_gpu_workers_scale_on_a_metric_the_workers_export() -> None:
         assert metric["type"] == "Pods", doc["metadata"]["name"]
         name = metric["pods"]["metric"]["name"]
         assert f'("{name}",' in metrics_source, name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workers_run_as_many_torch_threads_as_they_request_cpus(overlay: str) -> None:
+    """Unset, torch takes every core of the node: replicas on one node contend, and a CPU-based HPA
+    measures the node's size rather than the load. An env var, so overlays that replace the args keep it."""
+    import math
+    for dep in (d for d in rendered_docs(overlay) if d["kind"] == "Deployment"):
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        if dep["metadata"]["name"] == "specdec-orchestrator":
+            continue
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        cpu = str(container["resources"]["requests"]["cpu"])
+        cpus = float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+        assert 1 <= int(env["SPECDEC_TORCH_THREADS"]) <= math.ceil(cpus), (dep["metadata"]["name"], env, cpu)

@@ -148,14 +148,13 @@ def test_the_chat_and_document_ends_a_tokenizer_has_end_a_generation() -> None:
         unk_token_id = 0
         ids = {"<|endoftext|>": 151643, "<|im_end|>": 151645, "<|eot_id|>": 0}
 
-        def get_added_vocab(self):
-            return {"<|im_start|>": 151644, "<|endoftext|>": 151643, "<|im_end|>": 151645}
-
         def convert_tokens_to_ids(self, text):
             return self.ids.get(text, self.unk_token_id)
     assert end_of_generation_ids(Tok()) == {151643, 151645}
-    Tok.all_special_tokens = []
-    Tok.get_added_vocab = lambda self: {}
+    Tok.all_special_tokens = ["<|endoftext|>", "<|end|>"]  # <|end|>: gpt-oss ends its analysis with it
+    Tok.ids = {**Tok.ids, "<|end|>": 200007}
+    assert end_of_generation_ids(Tok()) == {151643}
+    Tok.all_special_tokens = []  # added tokens that are not special are text
     assert end_of_generation_ids(Tok()) == set()
 
 
