@@ -197,15 +197,15 @@ class TimingModel:
     # load_factor's running maximum over k, for one (batch, rows curve): every k of every round reads it.
     _factors: tuple[float, object, list[float]] | None = field(default=None, init=False, repr=False, compare=False)
 
-    def draft_prefill_ms(self, rows: int) -> float:
-        """What the draft's forward over `rows` new tokens should take: its startup curve, scaled by
-        how its per-token cost now compares with the curve's one row (a neighbour slows a prefill
-        too); without a curve, the per-token cost for each row (high for a prefill: a bound)."""
+    def draft_prefill_ms(self, rows: int, slowdown: tuple[float, float]) -> float | None:
+        """D(rows): the draft's startup curve at `rows` new tokens, scaled by how its per-token cost
+        now compares with the curve's one row (a draft slowed by a neighbour is slower at prefill
+        too), that ratio held within `slowdown` (lowest, highest). None without a curve."""
         one, many = curves.extended(self.draft_curve, 1), curves.extended(self.draft_curve, rows)
-        per_token = self.draft_ms_per_token.value
         if not one or many is None:
-            return rows * per_token
-        return many * min(4.0, max(1.0, per_token / one))
+            return None
+        lowest, highest = slowdown
+        return many * min(highest, max(lowest, self.draft_ms_per_token.value / one))
 
     def draft_rows_factor(self, rows: int) -> float:
         """A draft forward over `rows` rows against one row. Unmeasured: rows (as if linear), so
@@ -770,13 +770,11 @@ def prefill_overlap_price(stats: SessionStats, prefill_rows: int, min_k: int, ma
         return None
     best = CostModelPolicy(pipelined=pipelined, branches=branches)._argmax(stats, min_k, max_k)
     rate = CostModelPolicy.tokens_per_ms(stats, best, pipelined, branches, max_k)
-    draft_one = curves.extended(t.draft_curve, 1)
+    draft_prompt = t.draft_prefill_ms(prefill_rows, slowdown=(0.5, 2.0))
     target_prompt = t.load.forward_ms(prefill_rows)
-    if best < lo or not draft_one or target_prompt is None or rate <= 0:
+    if best < lo or draft_prompt is None or target_prompt is None or rate <= 0:
         return None
     per_token = t.draft_ms_per_token.value
-    speed = min(2.0, max(0.5, per_token / draft_one))
-    draft_prompt = (curves.extended(t.draft_curve, prefill_rows) or draft_one) * speed
     k_serial = prefill_round_k(stats, lo, best, prefill_rows, rate)
     depth = best
     if remaining is not None:  # as the rounds clamp them: a round's k + 1 tokens, the pre-draft's k + 1

@@ -535,8 +535,12 @@ class Round:
         prefill was abandoned and resent whole every round, each time for the whole timeout."""
         if rows <= PREFILL_ALLOWANCE_FROM_ROWS:
             return 0.0
-        expected_s = self.session.stats.timing.draft_prefill_ms(rows) / 1000.0
-        return min(PREFILL_ALLOWANCE_MAX_S, PREFILL_ALLOWANCE_FACTOR * expected_s)
+        timing = self.session.stats.timing
+        # Never below the curve; without one, a decode step per row (far above a prefill's cost).
+        expected_ms = timing.draft_prefill_ms(rows, slowdown=(1.0, 4.0))
+        if expected_ms is None:
+            expected_ms = rows * timing.draft_ms_per_token.value
+        return min(PREFILL_ALLOWANCE_MAX_S, PREFILL_ALLOWANCE_FACTOR * expected_ms / 1000.0)
 
     async def _propose(self, k: int, calls: _Calls, canonical: list[int] | None = None) -> DraftReply | None:
         """Ask the draft for k tokens; None if the draft cannot serve this round (it runs target-only).

@@ -147,11 +147,7 @@ REMOVED_REPLICA_GRACE_S = 600.0
 
 async def _close(backend: Any, grace_s: float | None = None) -> None:
     closer = getattr(backend, "close", None)
-    if closer is None:
-        return
-    if grace_s is None:
-        await closer()
-    else:
+    if closer is not None:
         await closer(grace_s)
 
 

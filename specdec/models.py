@@ -201,10 +201,10 @@ def configure_attention(device: torch.device) -> bool:
 
 def load_model(ref: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
     """Load a model for inference. Weights come from safetensors (or GGUF); never from pickle."""
-    configure_attention(resolve_device(device))
+    where = resolve_device(device)
+    configure_attention(where)
     if ref.startswith("tiny"):
         spec = TinySpec.parse(ref)
-        where = resolve_device(device)
         model = build_tiny_model(spec, where).to(device=where, dtype=dtype)
         tok = ByteTokenizer(spec.vocab)
         return LoadedModel(ref, model, tok, spec.vocab, spec.max_positions, tok.eos_token_ids)
@@ -214,7 +214,7 @@ def load_model(ref: str, dtype: torch.dtype = torch.float32, device: str = "cpu"
     kwargs: dict[str, Any] = {"dtype": dtype, "use_safetensors": None if gguf else True}
     if gguf:
         kwargs["gguf_file"] = gguf
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device=resolve_device(device), dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device=where, dtype=dtype).eval()
     tok = load_tokenizer(ref)
     vocab = int(model.get_output_embeddings().weight.shape[0])
     max_ctx = int(getattr(model.config, "max_position_embeddings", 4096))
