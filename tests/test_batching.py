@@ -16,7 +16,8 @@ import torch
 from orchestrator.api import EngineLimits
 from orchestrator.config import SpeculationConfig
 from specdec.models import load_model, new_cache
-from specdec.ragged import RaggedForward, RaggedItem, unsupported_reason
+from specdec.ragged import (RaggedForward, RaggedItem, packed_attention_agrees, reference_packed_attention,
+                            torch_varlen_attention, unsupported_reason)
 from specdec.scheduler import BatchLimits
 from specdec.v1 import common_pb2, worker_pb2
 from specdec.worker_core import ForwardStep, WorkerCore, WorkerSession
@@ -612,3 +613,71 @@ async def test_load_sweep_reports_both_modes_per_level(tmp_path) -> None:
     assert table.count("(repeats ") == 4
     plot(levels, tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------- packed attention
+# The packed path's kernel (torch's varlen flash attention) runs on CUDA only; on a CPU the same path
+# runs with the plain-torch reference kernel, so the packing (sequence boundaries, key layout, grouped
+# heads, output order) is tested here and the kernel's own semantics by the startup check on the GPU.
+
+def top_left_causal(query, key, value, cu_q, cu_k, max_q, max_k, scale):  # a plausible kernel bug
+    out = torch.empty_like(query)
+    group = query.shape[1] // key.shape[1]
+    for qs, qe, ks, ke in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist()):
+        q = query[qs:qe].transpose(0, 1)
+        k = key[ks:ke].transpose(0, 1).repeat_interleave(group, dim=0)
+        v = value[ks:ke].transpose(0, 1).repeat_interleave(group, dim=0)
+        allowed = torch.arange(ke - ks)[None, :] <= torch.arange(qe - qs)[:, None]
+        out[qs:qe] = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                                                      scale=scale).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("ref", ["tiny:seed=0", "tiny:seed=3,layers=3,hidden=96"])
+def test_packed_attention_computes_what_per_session_attention_does(ref: str) -> None:
+    model = load_model(ref).model
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads are covered
+    packed = RaggedForward(model, attention="packed", kernel=reference_packed_attention)
+    per_session = RaggedForward(model, attention="per-session")
+    assert (packed.attention_path, per_session.attention_path) == ("packed", "per-session")
+    histories = [[[3, 4, 5, 6, 7], [8, 9], [10]], [[20], [21, 22, 23], [24, 25]], [[40, 41, 42, 43, 44, 45, 46, 47], [48], [49]]]
+    caches = {name: [new_cache(model) for _ in histories] for name in ("packed", "per-session")}
+    for step in range(3):
+        a = packed([RaggedItem(c, h[step]) for c, h in zip(caches["packed"], histories)])
+        b = per_session([RaggedItem(c, h[step]) for c, h in zip(caches["per-session"], histories)])
+        for i, history in enumerate(histories):
+            torch.testing.assert_close(a[i], b[i], rtol=1e-4, atol=1e-4)
+            assert a[i].argmax(-1).tolist() == b[i].argmax(-1).tolist()
+            assert caches["packed"][i].get_seq_length() == sum(len(c) for c in history[: step + 1])
+    # and against the model's own forward, session by session
+    for i, history in enumerate(histories):
+        torch.testing.assert_close(a[i], hf_logits(model, history)[-1], rtol=1e-4, atol=1e-4)
+    # one session alone (no concatenation of caches) on a cache of its own
+    cache = new_cache(model)
+    solo = [packed([RaggedItem(cache, chunk)])[0] for chunk in ([5, 6, 7], [8], [9, 10])]
+    for mine, theirs in zip(solo, hf_logits(model, [[5, 6, 7], [8], [9, 10]])):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_packed_kernel_that_disagrees_is_not_used() -> None:
+    model = load_model("tiny:seed=0").model
+    assert RaggedForward(model, kernel=top_left_causal).attention_path == "per-session"
+    with pytest.raises(ValueError, match="differs from per-session attention"):
+        RaggedForward(model, attention="packed", kernel=top_left_causal)
+    assert RaggedForward(model, kernel=reference_packed_attention).attention_path == "packed"
+
+
+def test_packed_attention_can_be_switched_off_and_is_refused_where_torch_cannot_run_it(monkeypatch) -> None:
+    model = load_model("tiny:seed=0").model
+    monkeypatch.setenv("SPECDEC_PACKED_ATTENTION", "0")
+    assert RaggedForward(model, kernel=reference_packed_attention).attention_path == "per-session"
+    monkeypatch.delenv("SPECDEC_PACKED_ATTENTION")
+    assert RaggedForward(model).attention_path == "per-session"  # a CPU: no flash kernel is tried
+    # torch's varlen flash attention is CUDA-only: on a CPU the check reports why, nothing crashes.
+    kernel = torch_varlen_attention()
+    if kernel is not None:
+        assert packed_attention_agrees(kernel, torch.device("cpu"), torch.bfloat16, 4, 2, 16) is not None
+    with pytest.raises(ValueError, match="packed attention unavailable"):
+        RaggedForward(model, attention="packed")
+    with pytest.raises(ValueError, match="attention must be"):
+        RaggedForward(model, attention="fast")

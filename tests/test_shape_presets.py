@@ -112,13 +112,21 @@ def test_the_ragged_step_script_reports_each_session_count(tmp_path, monkeypatch
     import sys
     from pathlib import Path
 
+    import specdec.ragged
+
     script = Path(__file__).resolve().parents[1] / "scripts" / "ragged_steps.py"
     out = tmp_path / "ragged.json"
+    # Both attention paths, as on a GPU: the packed one with the reference kernel (torch's is CUDA-only).
+    monkeypatch.setattr(specdec.ragged, "torch_varlen_attention", lambda: specdec.ragged.reference_packed_attention)
     monkeypatch.setattr(sys, "argv", [str(script), "--model", "tiny:seed=1", "--sessions", "1,3", "--reps", "2",
-                                      "--context", "16", "--out", str(out)])
+                                      "--context", "16", "--attention", "packed,per-session", "--out", str(out)])
     runpy.run_path(str(script), run_name="__main__")
-    rows = json.loads(out.read_text())["rows"]
-    assert [row["sessions"] for row in rows] == [1, 3] and all(row["step_ms"] > 0 for row in rows)
+    report = json.loads(out.read_text())
+    assert set(report["paths"]) == {"packed", "per-session"}
+    for rows in report["paths"].values():
+        assert [row["sessions"] for row in rows] == [1, 3] and all(row["step_ms"] > 0 for row in rows)
+    comparison = report["comparison"]
+    assert comparison["sessions"] == 3 and comparison["argmax_agree"] == 3 and comparison["max_abs_logit_diff"] < 1e-3
 
 
 def test_the_attention_shape_script_times_new_and_repeated_shapes(tmp_path, monkeypatch) -> None:
