@@ -279,7 +279,7 @@ class GenerationEngine:
         spec = replace(spec, pipeline_branches=min(spec.pipeline_branches, self.draft_branch_slots))
         policy = spec.make_policy()  # (the policy counts only branches the draft can run)
         stop = StopConditions.for_turn(self.target_info.eos_token_ids, params.max_new_tokens, context - prompt_len,
-                                       params.stop, self.tokenizer.decode)
+                                       params.stop, self.tokenizer.decode, prompt=session.tokens)
         round_ = Round(self.workers, session, SamplingConfig(params.temperature, params.top_k, params.top_p, seed),
                        deadline, stop, spec.min_draft_prob, policy.name, pipeline=spec.pipeline, max_k=spec.max_k,
                        overlap_prefill=spec.prefill_overlap_mode(devices_apart=self.speculation.pipeline),

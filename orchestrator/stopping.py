@@ -63,17 +63,18 @@ class StopConditions:
     precedence on a tie); stop strings cut on the decoded text, which also yields the text deltas."""
 
     def __init__(self, conditions: Sequence[TokenCondition], stop_strings: Sequence[str],
-                 decode: Callable[[list[int]], str], budget: int) -> None:
+                 decode: Callable[[list[int]], str], budget: int, prompt: Sequence[int] = ()) -> None:
         self.conditions = list(conditions)
-        self.text = TextAssembler(decode, stop_strings)
+        self.text = TextAssembler(decode, stop_strings, prompt)  # the text the output adds to the prompt's
         self.budget = budget  # the most tokens the turn can produce
         self.generated = 0
 
     @classmethod
     def for_turn(cls, eos_ids: Sequence[int], max_new_tokens: int, context_room: int,
-                 stop_strings: Sequence[str], decode: Callable[[list[int]], str]) -> "StopConditions":
+                 stop_strings: Sequence[str], decode: Callable[[list[int]], str],
+                 prompt: Sequence[int] = ()) -> "StopConditions":
         return cls([EosToken(frozenset(eos_ids)), MaxNewTokens(max_new_tokens), ContextLimit(context_room)],
-                   stop_strings, decode, min(max_new_tokens, context_room))
+                   stop_strings, decode, min(max_new_tokens, context_room), prompt)
 
     @property
     def remaining(self) -> int:

@@ -13,6 +13,10 @@ CHARACTER_TOKENS = 4
 STOP_PROBE_CHARS = 16
 # Tokens with no text of their own kept as context beside the last text (see TextAssembler._empty_context).
 EMPTY_CONTEXT_TOKENS = 64
+# The prompt's last tokens, the first output token's context: a SentencePiece decoder drops the
+# leading space of a sequence's first token, so alone "▁Paris" after "The capital is" gave "Paris",
+# and prompt text + output text lost the space (vLLM and TGI also start from the prompt's tail).
+PROMPT_CONTEXT_TOKENS = 4
 
 
 class TextAssembler:
@@ -28,7 +32,7 @@ class TextAssembler:
     change: an incomplete character at the end, and any suffix that could begin a stop string.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str], prompt: Sequence[int] = ()) -> None:
         self._decode = decode
         self._stop = [s for s in stop if s]
         self._longest_stop = max((len(s) for s in self._stop), default=0)
@@ -40,7 +44,12 @@ class TextAssembler:
         # committed since with none (a skipped special token, a lone SentencePiece space). Alone as
         # the context, the latter made a decoder that drops a first token's leading space drop the
         # next token's; kept beside the text, and only the last EMPTY_CONTEXT_TOKENS of them.
-        self._context: list[int] = []
+        # The output's text is what it adds to the prompt's (its last PROMPT_CONTEXT_TOKENS), unless
+        # the prompt ends mid-character: the output's first token would complete a character the
+        # prompt's text shows as U+FFFD, and the difference of the two decodes would be misaligned.
+        tail = list(prompt[-PROMPT_CONTEXT_TOKENS:])
+        self._context: list[int] = tail if tail and not decode(tail).endswith(INCOMPLETE) else []
+        self._prompt_context = bool(self._context)  # until the first commit with text replaces it
         self._empty_context: list[int] = []
         self._token_has_text: dict[int, bool] = {}
         self._read = 0
@@ -84,6 +93,12 @@ class TextAssembler:
         if self._read == len(self._ids):
             return
         context = self._decode(self._context + self._empty_context)
+        if self._prompt_context and not self._decode(self._context + self._empty_context + self._ids[self._read:]) \
+                .startswith(context):
+            # The prompt's text changes with the output's bytes after it (a byte-fallback decoder shows
+            # a run with an invalid byte as one U+FFFD per byte): the difference would be misaligned.
+            self._context, self._prompt_context = [], False
+            context = self._decode(self._empty_context)
         new = self._text_of(context, len(self._ids))
         if final or not new.endswith(INCOMPLETE):
             self._commit(new, len(self._ids))
@@ -126,7 +141,7 @@ class TextAssembler:
         self._text += text
         self._pending = ""
         if text:
-            self._context, self._empty_context = self._ids[self._read:upto], []
+            self._context, self._empty_context, self._prompt_context = self._ids[self._read:upto], [], False
         else:
             self._empty_context = (self._empty_context + self._ids[self._read:upto])[-EMPTY_CONTEXT_TOKENS:]
         self._read = upto

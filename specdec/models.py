@@ -1,5 +1,8 @@
 """Model loading for the workers (torch). Refs are parsed in specdec.model_refs, tokenizers loaded in
 specdec.tokenizers; both are torch-free so the orchestrator can use them.
+
+Over 300 lines: loading with its device, dtype and attention rules, and the few DynamicCache helpers
+(new, crop, copy, size) that every caller of a loaded model needs.
 """
 from __future__ import annotations
 
@@ -269,9 +272,21 @@ def crop_cache(cache: Any, length: int) -> None:
 
 
 def copy_cache(cache: Any, length: int) -> Any:
-    """An independent copy of a DynamicCache's first `length` positions (a branch of a session)."""
-    copied = copy.deepcopy(cache)
-    crop_cache(copied, length)
+    """An independent copy of a DynamicCache's first `length` positions (a branch of a session).
+    Where every layer is a plain DynamicLayer (its length is its tensors'), only those positions are
+    copied: deepcopy is handed each layer's K/V already sliced (its memo), so a long cache is not
+    copied whole to be cropped after. Other layers (sliding-window ones keep a length of their own)
+    are copied whole and cropped by their own rules."""
+    from transformers.cache_utils import DynamicLayer
+    layers = getattr(cache, "layers", None)
+    memo: dict[int, Any] = {}
+    if layers and all(type(layer) is DynamicLayer for layer in layers):
+        for layer in layers:
+            for tensor in (layer.keys, layer.values):
+                if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
+                    memo[id(tensor)] = tensor[..., :length, :].clone()
+    copied = copy.deepcopy(cache, memo)
+    crop_cache(copied, length)  # a no-op where the memo sliced every layer
     return copied
 
 

@@ -11,9 +11,11 @@ Attention has two paths. "per session": transformers' attention call once per se
 the model's own forward runs it. "packed": every session's keys concatenated into one varlen tensor
 and one variable-length flash-attention call per layer (torch.nn.attention.varlen, CUDA only). On a
 launch-bound GPU the per-session calls are what a batch adds to a step (H200, 2026-11-28: 2.65 ms per
-added session over 28 layers); packed, a session adds only its cache update. The packed kernel is
-checked at startup against per-session attention on the model's head shapes and is used only if it
-agrees (`attention="auto"`); anything else runs per session.
+added session over 28 layers); packed, a session adds its cache update and its share of one copy of
+the keys and values per layer. The packed kernel is checked at startup against per-session attention
+on the model's head shapes and scale, decode and chunk shapes with long keys included, and is used
+only if it agrees (`attention="auto"`); anything else runs per session, and a packed kernel that
+fails in service hands every later forward to the per-session path.
 
 Over 300 lines: the two attention paths share the forward around them, and the packed one's startup
 check (with its plain-torch reference) belongs beside it.
@@ -21,8 +23,9 @@ check (with its plain-torch reference) belongs beside it.
 Supported: decoder-only models whose layers have the Llama shape (input norm -> self-attention with
 q/k/v/o projections and rotary embeddings -> residual -> post-attention norm -> MLP -> residual):
 Llama, Mistral, Qwen2 and Qwen3 (q/k norms), without sliding-window layers. Anything else is served one
-session per forward (`unsupported_reason` says why). The attention call, the mask builder and the
-rotary helper are transformers' own, so a batch of one computes exactly what the model's forward does.
+session per forward (`unsupported_reason` says why). On the per-session path the attention call, the
+mask builder and the rotary helper are transformers' own, so a batch of one computes exactly what the
+model's forward does.
 """
 from __future__ import annotations
 
@@ -89,7 +92,14 @@ PackedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 
 def reference_packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
                                cu_k: torch.Tensor, max_q: int, max_k: int, scale: float) -> torch.Tensor:
-    """PackedAttention in plain torch, one sequence at a time: the startup check's reference."""
+    """PackedAttention in plain torch, one sequence at a time: the startup check's reference. Checks
+    the packing it is given as a flash kernel would need it (tests run the packed forward with it)."""
+    lengths_q, lengths_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    if not (cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.is_contiguous() and cu_k.is_contiguous()
+            and cu_q[-1] == query.shape[0] and cu_k[-1] == key.shape[0] and (lengths_k >= lengths_q).all()
+            and max_q == lengths_q.max() and max_k == lengths_k.max()):
+        raise ValueError(f"inconsistent packing: cu_q {cu_q.tolist()}, cu_k {cu_k.tolist()}, max {max_q}/{max_k}, "
+                         f"{query.shape[0]} queries, {key.shape[0]} keys")
     out = torch.empty_like(query)
     group = query.shape[1] // key.shape[1]
     for qs, qe, ks, ke in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist()):
@@ -112,6 +122,7 @@ def torch_varlen_attention() -> PackedAttention | None:
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
+    takes_scale = "scale" in params
     if "window_size" in params:
         options: dict[str, Any] = {"window_size": (-1, 0)}
     elif "is_causal" in params:
@@ -123,7 +134,11 @@ def torch_varlen_attention() -> PackedAttention | None:
 
     def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                max_q: int, max_k: int, scale: float) -> torch.Tensor:
-        return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale=scale, **options)
+        if takes_scale:
+            return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale=scale, **options)
+        if abs(scale - query.shape[-1] ** -0.5) > 1e-9:  # a release without `scale`: its default only
+            raise ValueError(f"this torch's varlen attention takes no scale, and the model's is {scale}")
+        return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, **options)
     return attend
 
 
@@ -138,29 +153,39 @@ def _contiguous_inputs(kernel: PackedAttention, repeat_heads: bool = False) -> P
     return attend
 
 
-def packed_attention_agrees(kernel: PackedAttention, device: torch.device, dtype: torch.dtype, heads: int,
-                            kv_heads: int, head_dim: int) -> str | None:
-    """None when `kernel` computes what per-session attention does on these head shapes (to the
-    dtype's rounding), else why not. Sequences of 1 and 3 query rows over 2 to 9 keys: a kernel that
-    aligned the causal mask top-left, ignored a sequence boundary or grouped heads otherwise fails."""
-    q_rows, k_rows = [1, 3, 2, 1], [5, 9, 2, 1]
-    generator = torch.Generator().manual_seed(0)
+# (query rows, key rows) per sequence of each startup check: short mixed steps, where a misaligned
+# causal mask, a crossed sequence boundary or wrongly grouped heads show; then what service sends,
+# one-row decodes over long caches (where a kernel may split the keys) and a prompt chunk longer than
+# a kernel tile beside a verify.
+CHECK_BATCHES = (((1, 5), (3, 9), (2, 2), (1, 1)), ((1, 700), (1, 1), (1, 300)), ((1, 1030), (130, 300), (3, 3)))
 
-    def packed(rows: int, h: int) -> torch.Tensor:  # [T, H, D], laid out as _attend_packed's are
-        return torch.randn(h, rows, head_dim, generator=generator).to(device, dtype).transpose(0, 1)
-    query, key, value = packed(sum(q_rows), heads), packed(sum(k_rows), kv_heads), packed(sum(k_rows), kv_heads)
-    cu_q = torch.tensor([0, *torch.tensor(q_rows).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, *torch.tensor(k_rows).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    scale = head_dim ** -0.5
-    try:
-        got = kernel(query, key, value, cu_q, cu_k, max(q_rows), max(k_rows), scale).float()
-    except Exception as exc:  # noqa: BLE001 - any failure means: not on this device/dtype/torch
-        return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-    want = reference_packed_attention(query.float(), key.float(), value.float(), cu_q, cu_k, max(q_rows),
-                                      max(k_rows), scale)
-    error = (got - want).abs().max().item() if got.shape == want.shape else float("inf")
-    tolerance = 1e-4 if dtype == torch.float32 else 0.05  # bf16 rounds to ~0.4%; a misalignment errs by ~1
-    return None if error <= tolerance else f"differs from per-session attention by {error:.3g}"
+
+def packed_attention_agrees(kernel: PackedAttention, device: torch.device, dtype: torch.dtype, heads: int,
+                            kv_heads: int, head_dim: int, scale: float | None = None) -> str | None:
+    """None when `kernel` computes what per-session attention does on these head shapes and scale
+    (to the dtype's rounding) for every batch of CHECK_BATCHES, else why not."""
+    scale = head_dim ** -0.5 if scale is None else scale
+    generator = torch.Generator().manual_seed(0)
+    for batch in CHECK_BATCHES:
+        q_rows, k_rows = [q for q, _ in batch], [k for _, k in batch]
+        # Laid out as _attend_packed's are: queries [T, H, D] contiguous; keys and values transposed
+        # from [H, T, D] (the concatenated caches).
+        query = torch.randn(sum(q_rows), heads, head_dim, generator=generator).to(device, dtype)
+        key, value = (torch.randn(kv_heads, sum(k_rows), head_dim, generator=generator).to(device, dtype).transpose(0, 1)
+                      for _ in range(2))
+        cu_q = torch.tensor([0, *torch.tensor(q_rows).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, *torch.tensor(k_rows).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        try:
+            got = kernel(query, key, value, cu_q, cu_k, max(q_rows), max(k_rows), scale).float()
+            want = reference_packed_attention(query.float(), key.float(), value.float(), cu_q, cu_k, max(q_rows),
+                                              max(k_rows), scale)
+            error = (got - want).abs().max().item() if got.shape == want.shape else float("inf")
+        except Exception as exc:  # noqa: BLE001 - any failure means: not on this device/dtype/torch
+            return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+        tolerance = 1e-4 if dtype == torch.float32 else 0.05  # bf16 rounds to ~0.4%; a misalignment errs by ~1
+        if not error <= tolerance:
+            return f"differs from per-session attention by {error:.3g} (query, key rows {batch})"
+    return None
 
 
 class RaggedForward:
@@ -199,12 +224,12 @@ class RaggedForward:
         if kernel is None and (self.device.type == "cuda" or attention == "packed"):
             kernel = torch_varlen_attention()
         if kernel is None:
-            why = "torch.nn.attention.varlen is missing" if self.device.type == "cuda" or attention == "packed" \
-                else "not a CUDA device"
+            why = "torch.nn.attention.varlen is missing or of a signature not known here" \
+                if self.device.type == "cuda" or attention == "packed" else "not a CUDA device"
         else:
-            heads = self.config.num_attention_heads
+            heads, attn = self.config.num_attention_heads, self.inner.layers[0].self_attn
             shapes = (self.device, next(self.model.parameters()).dtype, heads,
-                      getattr(self.config, "num_key_value_heads", None) or heads, self.inner.layers[0].self_attn.head_dim)
+                      getattr(self.config, "num_key_value_heads", None) or heads, attn.head_dim, attn.scaling)
             # The kernel as it is, then on copies laid out as plainly as possible (a copy per layer costs little).
             variants = {"strided": kernel, "contiguous": _contiguous_inputs(kernel),
                         "contiguous, heads repeated": _contiguous_inputs(kernel, repeat_heads=True)}
@@ -290,8 +315,17 @@ class RaggedForward:
         cu_q, cu_k, max_q, max_k = packing
         # One session's cache needs no concatenation (a cat of one tensor would still copy it).
         key, value = (keys[0], values[0]) if len(keys) == 1 else (torch.cat(keys, dim=1), torch.cat(values, dim=1))
-        out = self._kernel(q[0].transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), cu_q, cu_k, max_q, max_k,
-                           attn.scaling)
+        try:
+            out = self._kernel(q[0].transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), cu_q, cu_k, max_q,
+                               max_k, attn.scaling)
+        except Exception as exc:
+            from specdec.scheduler import out_of_memory
+            if not out_of_memory(exc):
+                # Checked at startup, yet failing on a shape the check did not send: this forward
+                # fails (its caches are part-updated; the worker discards them), later ones run per session.
+                log.exception("packed attention failed; batched forwards run attention per session from now on")
+                self._kernel, self.attention_path = None, "per-session"
+            raise
         return attn.o_proj(out.reshape(1, x.shape[1], -1))
 
     def _attend(self, layer: torch.nn.Module, x: torch.Tensor, items: Sequence[RaggedItem], starts: list[int],

@@ -80,6 +80,12 @@ _DROPPED, _ADMITTED, _WAITS = "dropped", "admitted", "waits"  # where admission 
 # A CPU allocation failure is a plain RuntimeError from torch's allocator (or Python's MemoryError);
 # matched by message, so that this module needs no torch.
 _OOM_MESSAGES = ("can't allocate memory", "not enough memory", "defaultcpuallocator", "out of memory")
+# CUDA errors that leave the process's device context unusable (sticky): every later forward would
+# fail the same way, so the worker must be restarted, not keep answering INTERNAL. Matched by message
+# (torch raises them as torch.AcceleratorError, a RuntimeError, as it does non-sticky CUDA errors).
+_DEVICE_LOST_MESSAGES = ("illegal memory access", "device-side assert", "illegal instruction",
+                         "unspecified launch failure", "misaligned address", "uncorrectable ecc",
+                         "hardware stack error", "cuda error: unknown error")
 
 
 def out_of_memory(exc: BaseException) -> bool:
@@ -88,6 +94,15 @@ def out_of_memory(exc: BaseException) -> bool:
     if any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__) or isinstance(exc, MemoryError):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MESSAGES)
+
+
+def device_lost(exc: BaseException) -> bool:
+    """Whether a forward's error means the device is lost to this process (see _DEVICE_LOST_MESSAGES)."""
+    return not out_of_memory(exc) and any(m in str(exc).lower() for m in _DEVICE_LOST_MESSAGES)
+
+
+class DeviceLost(RuntimeError):
+    """A forward failed in a way that leaves the device unusable: the model thread stops (_die)."""
 
 
 def _no_steps() -> Steps:
@@ -389,7 +404,7 @@ class BatchScheduler:
 
     def _die(self, exc: BaseException) -> None:
         """The model thread failed outside every call's own error handling (a bug in admission or
-        selection). Without this the thread died silently and submit() kept taking calls whose futures
+        selection), or a forward lost the device (DeviceLost: a sticky CUDA error). Without this the thread died silently and submit() kept taking calls whose futures
         never resolved (a Verify then hung for the orchestrator's whole --target-timeout-s). Now every
         call fails at once and so does every later submit, and the worker's health goes NOT_SERVING
         (on_failure). UNAVAILABLE, not INTERNAL: the cause is a bug (logged here with its traceback),
@@ -621,6 +636,8 @@ class BatchScheduler:
         try:
             outputs = self._forward(steps)
         except BaseException as exc:  # noqa: BLE001 - every call in the forward gets the error
+            if device_lost(exc):  # the calls stay active: _die fails them, and all others, UNAVAILABLE
+                raise DeviceLost(f"a forward of {len(batch)} calls left the device unusable: {exc}") from exc
             if out_of_memory(exc):
                 log.warning("forward over %d calls and %d rows ran out of memory: %s", len(batch), rows, exc)
             else:

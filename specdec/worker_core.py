@@ -126,6 +126,11 @@ class WorkerCore:
             log.warning("%s worker: no cross-session batching (%s); batched calls run one forward each",
                         role, self.ragged_unsupported)
 
+    @property
+    def attention_path(self) -> str:
+        """How batched forwards attend (specdec.ragged): "packed" or "per-session"; "" without batching."""
+        return self._ragged.attention_path if self._ragged else ""
+
     # ------------------------------------------------------------------ validation
     def check_tokens(self, tokens: Sequence[int], what: str) -> None:
         for t in tokens:
@@ -177,10 +182,15 @@ class WorkerCore:
                                 f"match the expected prefix of {commit.cache_len}; re-send with cache_len=0")
         return session
 
-    def fork(self, session_id: str, source_slot: int, slot: int, commit: Commit) -> None:
+    def fork(self, session_id: str, source_slot: int, slot: int, commit: Commit, grow_by: int = 0) -> None:
         """Make `slot` a copy of `source_slot`'s first commit.cache_len tokens (checked like a commit),
-        replacing what it held. On the model thread, between forwards: the source is never mid-forward."""
+        replacing what it held. On the model thread, between forwards: the source is never mid-forward.
+        Refused before the copy where the branch could not grow by `grow_by` tokens past that."""
         source = self._checkout(slot_key(session_id, source_slot), commit)
+        total = commit.cache_len + grow_by
+        if total > self.max_context:
+            raise InvalidRequest(f"sequence of {total} tokens exceeds the model context of {self.max_context}")
+        self._check_room(slot_key(session_id, slot), total)  # _reserve checks it again, for the copy's room
         branch = WorkerSession(copy_cache(source.cache, commit.cache_len), list(source.tokens[:commit.cache_len]),
                                source.prefix_keys[:commit.cache_len])
         key = slot_key(session_id, slot)
@@ -280,7 +290,7 @@ class WorkerCore:
         self.check_tokens(commit.append_tokens, "commit.append_tokens")
         self.check_tokens(extra_tokens, "tokens")
         if fork_from is not None:
-            self.fork(session_id, fork_from, slot, commit)
+            self.fork(session_id, fork_from, slot, commit, len(commit.append_tokens) + len(extra_tokens) + grow_by)
         self._mark_live_slot(session_id, slot if fork_from is None else fork_from)
         session_id = slot_key(session_id, slot)
         session = self._checkout(session_id, commit)
@@ -331,6 +341,13 @@ class WorkerCore:
         total_tokens, evicting LRU idle others. Refused before evicting anything where the sessions in
         use leave no such room (CapacityExceeded: evictions would not make it fit), or where the
         whole budget could not hold it (InvalidRequest)."""
+        needed = self._check_room(session_id, total_tokens)
+        self.store.pin(session_id, reserve_bytes=needed)
+        if needed:
+            self.store.enforce_budget(first=self._stale)  # stale copies first
+
+    def _check_room(self, session_id: str, total_tokens: int) -> int:
+        """The bytes `total_tokens` of the session take; raises where they cannot be had (see _reserve)."""
         needed = total_tokens * self._bytes_per_token
         if needed > self.store.max_bytes:  # not even an empty worker could: no point retrying
             raise InvalidRequest(f"{total_tokens} tokens for session {session_id!r} exceed the {self.role} worker's "
@@ -339,9 +356,7 @@ class WorkerCore:
             raise CapacityExceeded(
                 f"{self.role} worker KV budget of {self.store.max_bytes} bytes cannot hold "
                 f"{total_tokens} tokens for session {session_id!r} next to the sessions in use")
-        self.store.pin(session_id, reserve_bytes=needed)
-        if needed:
-            self.store.enforce_budget(first=self._stale)  # stale copies first
+        return needed
 
     def timed(self) -> CallTimer:
         self.counters.calls += 1

@@ -81,7 +81,7 @@ class WorkerServicerBase:
             forward_costs=self.core.cost_curve.to_pb(), gemm_path=self.core.gemm_path,
             max_batch=self.scheduler.limits.max_batch,
             batching=("one forward per call: " + self.core.ragged_unsupported) if self.core.ragged_unsupported
-            else "ragged", utilisation=snapshot.utilisation, active_calls=snapshot.active,
+            else f"ragged, attention {self.core.attention_path}", utilisation=snapshot.utilisation, active_calls=snapshot.active,
             waiting_calls=snapshot.waiting, branch_slots=MAX_BRANCH_SLOTS if self.core.role == "draft" else 0)
 
     def close(self) -> None:

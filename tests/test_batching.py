@@ -290,7 +290,7 @@ async def test_worker_timing_reports_the_batch() -> None:
         assert all(r.timing.batch_rows >= len(PROMPTS[i]) + 2 for i, r in enumerate(replies))
         assert all(r.timing.queue_ms >= 0.0 and 0.0 <= r.timing.worker_utilisation <= 1.0 for r in replies)
         info = await stub.GetInfo(common_pb2.GetInfoRequest())
-        assert info.max_batch == 8 and info.batching == "ragged"
+        assert info.max_batch == 8 and info.batching == "ragged, attention per-session"  # a CPU: no flash kernel
     finally:
         await stack.close()
 
@@ -396,7 +396,7 @@ def test_a_call_that_cannot_fit_evicts_nobody() -> None:
     assert sorted(core.store._slots) == [f"idle{i}" for i in range(5)] and core.store.evictions == 0
 
 
-def test_a_refused_branch_call_leaves_no_copy_and_an_impossible_one_is_invalid() -> None:
+def test_a_refused_branch_call_leaves_no_copy_and_an_impossible_one_is_invalid(monkeypatch) -> None:
     """A fork's copy was checked against the budget twice; refused the second time, the copy stayed.
     A call that not even an empty worker could hold is INVALID_ARGUMENT, not a retryable
     RESOURCE_EXHAUSTED."""
@@ -410,8 +410,12 @@ def test_a_refused_branch_call_leaves_no_copy_and_an_impossible_one_is_invalid()
     held = engine.propose_steps(ProposeParams("other", Commit(0, 0, tuple(range(3, 18))), 0, SamplingConfig()))
     next(held)  # another call in use: 15 tokens pinned
     fork = Commit(20, prefix_hash(list(text)), (42,))
+    copies = []
+    import specdec.worker_core
+    monkeypatch.setattr(specdec.worker_core, "copy_cache", lambda *a: copies.append(a) or pytest.fail("copied"))
     with pytest.raises(CapacityExceeded):  # 20 + 1 + 8 drafts next to the 15 in use
         next(engine.propose_steps(ProposeParams("s", fork, 8, SamplingConfig(), slot=1, fork_from=0)))
+    assert not copies  # refused before the KV copy, not after it
     assert slot_key("s", 1) not in core.store and core.session_tokens("s") == list(text)
     held.close()
     with pytest.raises(InvalidRequest, match="whole KV budget"):
@@ -681,3 +685,44 @@ def test_packed_attention_can_be_switched_off_and_is_refused_where_torch_cannot_
         RaggedForward(model, attention="packed")
     with pytest.raises(ValueError, match="attention must be"):
         RaggedForward(model, attention="fast")
+
+
+def test_a_worker_batches_through_packed_attention_and_falls_back_when_the_kernel_fails() -> None:
+    """WorkerCore.feed_many on the packed path (the reference kernel standing in for flash): the same
+    logits as per session; a kernel that fails in service fails that forward, whose sessions are
+    discarded (their caches part-updated), and hands later forwards to the per-session path."""
+    loaded = load_model("tiny:seed=0")
+    assert loaded.model.config.num_hidden_layers >= 2
+    core = WorkerCore(loaded, "target")
+    calls = {"n": 0, "armed": False}
+
+    def fails_on_the_second_layer_once_armed(*args):
+        calls["n"] += calls["armed"]
+        if calls["n"] == 2:  # the first layer's cache has grown by then
+            raise RuntimeError("no kernel image for this shape")
+        return reference_packed_attention(*args)
+    core._ragged = RaggedForward(loaded.model, attention="packed", kernel=reference_packed_attention)
+    sessions = [WorkerSession(new_cache(loaded.model)) for _ in range(2)]
+    out = core.feed_many([ForwardStep(sessions[0], [5, 6, 7], 2), ForwardStep(sessions[1], [9], 1)])
+    torch.testing.assert_close(out[0], hf_logits(loaded.model, [[5, 6, 7]])[0][-2:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[1], hf_logits(loaded.model, [[9]])[0], rtol=1e-4, atol=1e-4)
+    assert [s.tokens for s in sessions] == [[5, 6, 7], [9]]
+
+    core._ragged = RaggedForward(loaded.model, attention="packed", kernel=fails_on_the_second_layer_once_armed)
+    calls["armed"] = True  # after the startup check, which it passed
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        core.feed_many([ForwardStep(sessions[0], [8], 1), ForwardStep(sessions[1], [10], 1)])
+    assert all(s.tokens == [] and s.cache.get_seq_length() == 0 for s in sessions)  # discarded, not half-fed
+    assert core._ragged.attention_path == "per-session"
+    # Running out of memory is no kernel fault: the forward fails, the packed path stays.
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    core._ragged = RaggedForward(loaded.model, attention="packed", kernel=reference_packed_attention)
+    core._ragged._kernel = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError):
+        core.feed_many([ForwardStep(sessions[0], [8], 1), ForwardStep(sessions[1], [10], 1)])
+    assert core._ragged.attention_path == "packed"
+    core._ragged = RaggedForward(loaded.model, attention="per-session")
+    out = core.feed_many([ForwardStep(sessions[0], [5, 6], 1), ForwardStep(sessions[1], [9, 10], 1)])
+    assert torch.equal(out[0], RaggedForward(loaded.model, attention="per-session")(
+        [RaggedItem(new_cache(loaded.model), [5, 6], 1), RaggedItem(new_cache(loaded.model), [9, 10], 1)])[0])

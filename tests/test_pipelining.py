@@ -888,3 +888,56 @@ async def test_bytes_sent_count_every_request_a_cancelled_pre_draft_included(mon
         assert cancelled[0] > 0  # the pipelined turn had pre-drafts dropped in flight
     finally:
         await stack.close()
+
+
+def test_a_cache_copy_holds_only_the_prefix_and_shares_nothing() -> None:
+    """copy_cache (a branch slot's fork) copies the first `length` positions only, into tensors of
+    its own; the source keeps its cache; the copy computes what the prefix alone would."""
+    import torch
+
+    from specdec.models import copy_cache, load_model, new_cache
+
+    model = load_model("tiny:seed=0").model
+    cache = new_cache(model)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    copied = copy_cache(cache, 5)
+    assert copied.get_seq_length() == 5 and cache.get_seq_length() == 8
+    for layer, mine, (keys, values) in zip(cache.layers, copied.layers, before):
+        assert mine.keys.shape[-2] == mine.values.shape[-2] == 5
+        assert mine.keys.untyped_storage().nbytes() == mine.keys.numel() * mine.keys.element_size()  # no whole copy kept
+        assert mine.keys.untyped_storage().data_ptr() != layer.keys.untyped_storage().data_ptr()
+        assert torch.equal(mine.keys, keys[..., :5, :]) and torch.equal(mine.values, values[..., :5, :])
+    extra = torch.tensor([[42]])
+    branched = model(input_ids=extra, past_key_values=copied, use_cache=True).logits
+    fresh = new_cache(model)
+    model(input_ids=ids[:, :5], past_key_values=fresh, use_cache=True)
+    torch.testing.assert_close(branched, model(input_ids=extra, past_key_values=fresh, use_cache=True).logits)
+    for layer, (keys, values) in zip(cache.layers, before):  # the source is untouched by the copy's growth
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+
+
+def test_a_cache_copy_of_sliding_window_layers_is_the_prefix_too() -> None:
+    """Sliding-window layers keep a length of their own: copied whole and cropped by their rules (a
+    K/V slice alone left that length behind, and the crop that follows cut every layer again)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from specdec.models import copy_cache, new_cache
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16, max_position_embeddings=128)
+    model = MistralForCausalLM(config).eval()
+    ids, extra = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]]), torch.tensor([[42]])
+    with torch.inference_mode():
+        cache = new_cache(model)
+        assert any(type(layer).__name__ != "DynamicLayer" for layer in cache.layers)  # sliding layers
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        copied = copy_cache(cache, 5)
+        assert copied.get_seq_length() == 5 and cache.get_seq_length() == 8
+        fresh = new_cache(model)
+        model(input_ids=ids[:, :5], past_key_values=fresh, use_cache=True)
+        torch.testing.assert_close(model(input_ids=extra, past_key_values=copied, use_cache=True).logits,
+                                   model(input_ids=extra, past_key_values=fresh, use_cache=True).logits)

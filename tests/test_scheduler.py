@@ -420,6 +420,31 @@ def test_a_failure_of_the_model_thread_fails_every_call_and_every_later_one(forw
     scheduler.close()
 
 
+def test_a_forward_that_loses_the_device_stops_the_worker(forward, caplog) -> None:
+    """A sticky CUDA error (an illegal memory access) fails every later forward too: answering each
+    call INTERNAL kept a dead replica in the rotation, healthy to its probes. Its calls and every later
+    one fail UNAVAILABLE (the orchestrator passes the replica over) and its health goes NOT_SERVING.
+    Another forward error fails only that forward's calls."""
+    failures: list[BaseException] = []
+    scheduler = make_scheduler(forward)
+    scheduler.on_failure(failures.append)
+    forward.fail_with, forward.error = "a", RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        scheduler.submit("a", call("a"))[0].result(WAIT_S)
+    assert not failures and scheduler.submit("b", call("b"))[0].result(WAIT_S) == [1]
+    forward.fail_with = "c"
+    forward.error = RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be "
+                                 "asynchronously reported at some other API call")
+    with caplog.at_level(logging.ERROR, logger="specdec.scheduler"):
+        with pytest.raises(WorkerUnavailable, match="left the device unusable"):
+            scheduler.submit("c", call("c"))[0].result(WAIT_S)
+        scheduler._thread.join(WAIT_S)
+    assert len(failures) == 1 and "illegal memory access" in str(failures[0])
+    with pytest.raises(WorkerUnavailable, match="model thread"):
+        scheduler.submit("d", call("d"))
+    scheduler.close()
+
+
 def test_errors_inside_a_call_reach_only_that_call(forward) -> None:
     def broken():
         raise ValueError("bad request")

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import random
 
-from orchestrator.text import TextAssembler
+from orchestrator.text import INCOMPLETE, TextAssembler
 from specdec.models import ByteTokenizer
 
 tok = ByteTokenizer()
@@ -245,3 +245,75 @@ def test_a_character_split_by_a_long_run_of_tokens_without_text_is_still_one_cha
     ids = [0xE2] + [258] * 200 + [0x82, 0xAC] + tok.encode("xSTOP")
     for stop in ([], ["\u20acx"]):
         assert stream(TextAssembler(tok.decode, stop), ids, [1] * len(ids)) == whole_output_reference(ids, stop, tok.decode)
+
+
+def test_the_output_text_is_what_it_adds_to_the_prompts_text() -> None:
+    """A SentencePiece decoder drops a sequence's first leading space: decoded alone, the output
+    "▁Paris" after the prompt "The capital is" was "Paris", and prompt + output text read "isParis".
+    With the prompt's tail as the first token's context, prompt text + output text is the whole
+    decode; text in the prompt never matches a stop string; byte-level decoders are unchanged."""
+    vocab = ["▁The", "▁capital", "▁is", "▁Paris", ".", "▁It"]
+    decode = sentencepiece_decode(vocab)
+    prompt, output = [0, 1, 2], [3, 4, 5]
+    for size in (1, 2, 3):
+        asm = TextAssembler(decode, [], prompt)
+        assert stream(asm, output, [size] * 3) == (" Paris. It", 3)
+        assert decode(prompt) + " Paris. It" == decode(prompt + output)
+    # A stop string that the prompt's text would complete is not found there.
+    assert stream(TextAssembler(decode, ["is Paris"], prompt), output, [1] * 3) == (" Paris. It", 3)
+    assert stream(TextAssembler(decode, [" It"], prompt), output, [1] * 3) == (" Paris.", 3)
+    # Without a prompt (or with one whose tail decodes to nothing), as before.
+    assert stream(TextAssembler(decode, []), output, [1] * 3)[0] == "Paris. It"
+    # Byte-level tokens: the same text with or without the prompt.
+    ids = tok.encode("héllo wörld")
+    assert stream(TextAssembler(tok.decode, [], tok.encode("a prompt ")), ids, [1] * len(ids))[0] == "héllo wörld"
+
+
+def test_a_prompt_that_ends_mid_character_is_no_context() -> None:
+    """The prompt's last bytes begin a character the output's first token completes: the prompt's
+    text ends in U+FFFD, so the difference of two decodes would be misaligned; no context then."""
+    data = "a€b".encode()
+    prompt, output = list(tok.encode("x")) + list(data[:2]), list(data[2:])  # € split 2 + 1 bytes
+    text, kept = stream(TextAssembler(tok.decode, [], prompt), output, [1] * len(output))
+    assert kept == len(output) and text == stream(TextAssembler(tok.decode, []), output, [1] * len(output))[0]
+
+
+def sentencepiece_byte_runs(vocab: dict[int, str]):
+    """Like HF's ByteFallback: ids < 256 are byte tokens, and a run of them that is not valid UTF-8
+    decodes to one U+FFFD per byte; '▁' is a space, dropped at the start (SentencePiece)."""
+    def decode(ids: list[int]) -> str:
+        out: list[str] = []
+        run: list[int] = []
+
+        def flush() -> None:
+            if run:
+                try:
+                    out.append(bytes(run).decode("utf-8"))
+                except UnicodeDecodeError:
+                    out.append(INCOMPLETE * len(run))
+                run.clear()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+            else:
+                flush()
+                out.append(vocab[i].replace("▁", " "))
+        flush()
+        text = "".join(out)
+        return text[1:] if text.startswith(" ") else text
+    return decode
+
+
+def test_a_prompt_whose_text_the_output_changes_is_no_context() -> None:
+    """The prompt ends in a whole byte-fallback character and the output starts with a lone byte: the
+    run of bytes decodes as U+FFFD per byte, the prompt's own included, so the two decodes' difference
+    would show extra characters. The output is then decoded alone; a prompt tail with no text of its
+    own changes nothing either."""
+    vocab = {300: "▁x", 301: "▁a", 302: "▁is", 303: ""}
+    decode = sentencepiece_byte_runs(vocab)
+    prompt, output = [302, *"中".encode()], [0xE2, 301]
+    alone = stream(TextAssembler(decode, []), output, [1, 1])
+    assert alone == (INCOMPLETE + " a", 2)
+    for size in (1, 2):
+        assert stream(TextAssembler(decode, [], prompt), output, [size] * 2) == alone
+    assert stream(TextAssembler(decode, [], [303, 303]), [300, 301], [1, 1]) == ("x a", 2)  # as without a prompt
