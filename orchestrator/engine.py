@@ -204,7 +204,10 @@ class GenerationEngine:
         if params.prompt_ids is not None:
             return session.tokens + list(params.prompt_ids)
         if params.prompt is not None:
-            return session.tokens + await self._off_loop(len(params.prompt), self.tokenizer.encode, params.prompt)
+            # A session's first text gets the tokenizer's special tokens (a BOS), as HF generate on
+            # tokenizer(prompt), vLLM and TGI give it; text that continues a session does not.
+            return session.tokens + await self._off_loop(len(params.prompt), self.tokenizer.encode, params.prompt,
+                                                         add_special_tokens=not session.tokens)
         assert params.messages is not None
         history = session.messages + [{"role": r, "content": c} for r, c in params.messages]
         chars = sum(len(m["content"]) for m in history)
@@ -259,10 +262,13 @@ class GenerationEngine:
                     session.tokens, session.messages = saved_tokens, saved_messages
                     saved_stats.timing.load = session.stats.timing.load  # the pair's live load, kept
                     session.stats = saved_stats
-                self.sessions.touch(session)
                 # A named session whose first turn failed is left as it was before: not there at all.
+                # Discarded before touch() counts its tokens: an ephemeral turn's tokens, freed at
+                # once, evicted named sessions' histories to make room for them.
                 if (ephemeral or not session.tokens) and self.sessions.discard(session):
                     self._end_on_workers(session_id)
+                else:
+                    self.sessions.touch(session)
         finally:
             session.lock.release()
 

@@ -80,6 +80,7 @@ class TraceWriter:
         # (a gzip stream without its trailer would lose the file). `compress` packs it afterwards.
         self._file = open(self.path, "a", buffering=1)
         self._lock = threading.Lock()
+        self._failed = False
         log.info("recording round traces to %s", self.path)
 
     def observe(self, record: Any) -> None:
@@ -101,9 +102,17 @@ class TraceWriter:
             overlapped=record.overlapped))
 
     def write(self, trace: RoundTrace) -> None:
+        """A diagnostic: a failing write (a full disk) is logged once and tracing stops, rather than
+        failing the request whose round it records."""
+        if self._failed:
+            return
         line = json.dumps(asdict(trace), separators=(",", ":"))
         with self._lock:
-            self._file.write(line + "\n")
+            try:
+                self._file.write(line + "\n")
+            except (OSError, ValueError) as exc:  # ValueError: written after close
+                self._failed = True
+                log.error("round trace file write failed, tracing stops: %s", exc)
 
     def close(self) -> None:
         self._file.close()

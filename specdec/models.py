@@ -304,10 +304,13 @@ def estimate_kv_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def cache_nbytes(cache: Any) -> int:
-    total = 0
+    """The memory a cache holds: its tensors' storage, which after a crop (views of the longer tensors)
+    is more than the positions kept, until the next forward's concatenation copies them."""
+    storages: dict[int, int] = {}
     for layer in getattr(cache, "layers", []):
         for name in ("keys", "values"):
             tensor = getattr(layer, name, None)
             if isinstance(tensor, torch.Tensor):
-                total += tensor.numel() * tensor.element_size()
-    return total
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(storages.values())

@@ -655,6 +655,9 @@ class BatchScheduler:
             self.prefill_chunks += any(job.pending is not None for job, _, _ in batch)
         for (job, step, _), output in zip(batch, outputs):
             if isinstance(output, Exception):  # this step's own failure (steps run one at a time)
+                if device_lost(output):  # as from a whole forward: every later one would fail too
+                    raise DeviceLost(f"a forward of {len(step.tokens)} rows left the device unusable: "
+                                     f"{output}") from output
                 self._abort(job, self._as_capacity_error(output, 1, len(step.tokens)))
                 continue
             job.load.forwards += 1
@@ -667,8 +670,14 @@ class BatchScheduler:
 
     def _as_capacity_error(self, exc: BaseException, calls: int = 0, rows: int = 0) -> BaseException:
         """Running out of memory is load, not a bug: RESOURCE_EXHAUSTED (retryable, with a hint)
-        instead of INTERNAL. Any other error is returned as it is. calls, rows: of the forward it
-        ran out in (0: outside a forward, in a call's own steps)."""
+        instead of INTERNAL. A refusal for room (the KV budget full of sessions in use) gets the hint
+        too: those sessions are held only for their calls, so the room frees as calls end. Any other
+        error is returned as it is. calls, rows: of the forward it ran out in (0: outside a forward,
+        in a call's own steps)."""
+        if isinstance(exc, CapacityExceeded) and getattr(exc, "retry_after_ms", None) is None:
+            with self._cond:
+                exc.retry_after_ms = self._retry_after_ms()
+            return exc
         if not out_of_memory(exc):
             return exc
         with self._cond:

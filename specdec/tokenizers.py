@@ -21,7 +21,8 @@ class ByteTokenizer:
         self.vocab_size = vocab_size
         self.eos_token_id = self.EOS
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Bytes; no special tokens either way (the tiny test models have no BOS)."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -53,8 +54,10 @@ class HFTokenizer:
         self._eos = eos_ids
         self._fingerprint: str | None = None
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """add_special_tokens: the tokenizer's own (Llama's and Gemma's BOS; Qwen's none), for a
+        sequence's start."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Without the clean-up of spaces some tokenizers turn on (Llama 3: " ." becomes "."): it

@@ -187,10 +187,9 @@ class WorkerCore:
         replacing what it held. On the model thread, between forwards: the source is never mid-forward.
         Refused before the copy where the branch could not grow by `grow_by` tokens past that."""
         source = self._checkout(slot_key(session_id, source_slot), commit)
-        total = commit.cache_len + grow_by
-        if total > self.max_context:
-            raise InvalidRequest(f"sequence of {total} tokens exceeds the model context of {self.max_context}")
-        self._check_room(slot_key(session_id, slot), total)  # _reserve checks it again, for the copy's room
+        # As begin_steps: the tokens fed must fit the context; the room reserved stops at it (a
+        # call drafts no further than the context, so a branch near its end is no error).
+        self._check_room(slot_key(session_id, slot), min(commit.cache_len + grow_by, self.max_context))
         branch = WorkerSession(copy_cache(source.cache, commit.cache_len), list(source.tokens[:commit.cache_len]),
                                source.prefix_keys[:commit.cache_len])
         key = slot_key(session_id, slot)
@@ -290,6 +289,9 @@ class WorkerCore:
         self.check_tokens(commit.append_tokens, "commit.append_tokens")
         self.check_tokens(extra_tokens, "tokens")
         if fork_from is not None:
+            fed = commit.cache_len + len(commit.append_tokens) + len(extra_tokens)
+            if fed > self.max_context:
+                raise InvalidRequest(f"sequence of {fed} tokens exceeds the model context of {self.max_context}")
             self.fork(session_id, fork_from, slot, commit, len(commit.append_tokens) + len(extra_tokens) + grow_by)
         self._mark_live_slot(session_id, slot if fork_from is None else fork_from)
         session_id = slot_key(session_id, slot)

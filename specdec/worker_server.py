@@ -208,6 +208,13 @@ def check_worker_flags(args: argparse.Namespace) -> None:
         raise SystemExit(f"--calibration-s must be a number of seconds (0 skips), got {args.calibration_s}")
     if not 1 <= args.max_k <= MAX_K:  # a huge one made the calibration run a forward of that many rows
         raise SystemExit(f"--max-k must be in [1, {MAX_K}] (the most drafts a round may verify), got {args.max_k}")
+    if (args.max_batch < 1 or args.max_batch_tokens < 1 or args.max_queue < 0 or not args.batch_window_ms >= 0
+            or (str(args.prefill_chunk) != "auto" and not str(args.prefill_chunk).isdigit())
+            or (args.prefill_itl_factor is not None and not itl_factor_valid(args.prefill_itl_factor))):
+        raise SystemExit("--max-batch and --max-batch-tokens must be >= 1, --max-queue and --batch-window-ms >= 0, "
+                         "--prefill-chunk a number of rows or auto, --prefill-itl-factor 0 or >= 1; got "
+                         f"{args.max_batch}, {args.max_batch_tokens}, {args.max_queue}, {args.batch_window_ms}, "
+                         f"{args.prefill_chunk!r}, {args.prefill_itl_factor}")
     from specdec import security
     security.check_tls_flags(args, {"--tls-cert": ("--tls-key",), "--tls-key": ("--tls-cert",),
                                     "--tls-client-ca": ("--tls-cert", "--tls-key")})

@@ -941,3 +941,42 @@ def test_a_cache_copy_of_sliding_window_layers_is_the_prefix_too() -> None:
         model(input_ids=ids[:, :5], past_key_values=fresh, use_cache=True)
         torch.testing.assert_close(model(input_ids=extra, past_key_values=copied, use_cache=True).logits,
                                    model(input_ids=extra, past_key_values=fresh, use_cache=True).logits)
+
+
+def test_a_branch_near_the_end_of_the_context_drafts_as_the_session_would() -> None:
+    """A fork reserved room for all k drafts and refused past the context (INVALID_ARGUMENT), where
+    the session's own slot drafts up to the context's end: the same commit on a branch is no error."""
+    from draft_worker.engine import DraftEngine, ProposeParams
+    from specdec.contract import Commit, SamplingConfig, prefix_hash
+    from specdec.errors import InvalidRequest
+    from specdec.models import load_model
+    from specdec.worker_core import WorkerCore
+
+    engine = DraftEngine(WorkerCore(load_model("tiny:seed=0,max_positions=64"), "draft"))
+    assert engine.core.max_context == 64
+    text = [5 + i % 50 for i in range(61)]
+    engine.propose(ProposeParams("s", Commit(0, 0, tuple(text)), 1, SamplingConfig()))
+    commit = Commit(60, prefix_hash(text[:60]), (text[60],))
+    branch = engine.propose(ProposeParams("s", commit, 8, SamplingConfig(), slot=1, fork_from=0))
+    alone = engine.propose(ProposeParams("s", commit, 8, SamplingConfig()))
+    assert branch.tokens == alone.tokens and 0 < len(branch.tokens) < 8
+    with pytest.raises(InvalidRequest, match="exceeds the model context"):  # what is fed must fit
+        engine.propose(ProposeParams("s", Commit(60, prefix_hash(text[:60]), tuple(text[60:]) + (7,) * 4), 1,
+                                     SamplingConfig(), slot=2, fork_from=0))
+
+
+def test_a_cropped_cache_counts_the_memory_it_still_holds() -> None:
+    """A crop leaves views of the longer tensors (freed at the next forward's concatenation): the
+    KV budget counts what is held, not only the positions kept."""
+    import torch
+
+    from specdec.models import cache_nbytes, crop_cache, load_model, new_cache
+
+    model = load_model("tiny:seed=0").model
+    cache = new_cache(model)
+    model(input_ids=torch.tensor([list(range(5, 25))]), past_key_values=cache, use_cache=True)
+    full = cache_nbytes(cache)
+    crop_cache(cache, 12)
+    assert cache_nbytes(cache) == full  # still held
+    model(input_ids=torch.tensor([[7]]), past_key_values=cache, use_cache=True)
+    assert cache_nbytes(cache) == full * 13 // 20  # the concatenation copied 13 positions; the rest freed

@@ -166,9 +166,9 @@ class _ThreadNoting(ByteTokenizer):
         super().__init__()
         self.threads: list[str] = []
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         self.threads.append(threading.current_thread().name)
-        return super().encode(text)
+        return super().encode(text, add_special_tokens)
 
     def apply_chat_template(self, messages, add_generation_prompt=True):
         self.threads.append(threading.current_thread().name)
@@ -917,3 +917,78 @@ def test_bearer_tokens_without_tls_are_warned_about(tmp_path: Path, caplog: pyte
     with caplog.at_level(logging.WARNING, logger="orchestrator.app"):
         config_from_args(parser.parse_args(base + ["--tls-cert", "c.pem", "--tls-key", "k.pem"]))
     assert "plaintext" not in caplog.text
+
+
+async def test_a_sessions_first_text_gets_the_tokenizers_bos_and_its_continuations_do_not() -> None:
+    """A raw prompt was encoded without special tokens, so a Llama- or Gemma-style model ran without
+    its BOS, unlike HF generate on tokenizer(prompt), vLLM and TGI (the output differed from the
+    target-only reference). The first text of a session gets them; text that continues it does not."""
+    from specdec.tokenizers import HFTokenizer
+
+    class BosTokenizer:  # HF-like: a post-processor that puts <s> (id 1) first
+        def encode(self, text, add_special_tokens=True):
+            return ([1] if add_special_tokens else []) + [3 + b % 200 for b in text.encode()]
+
+        def decode(self, ids, **kwargs):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    class Recording(_FakeTarget):
+        def __init__(self) -> None:
+            super().__init__()
+            self.appended: list[tuple[int, ...]] = []
+
+        async def verify(self, session_id, commit, draft_tokens, q_payload, sampling, timeout_s):
+            self.appended.append(tuple(commit.append_tokens))
+            return await super().verify(session_id, commit, draft_tokens, q_payload, sampling, timeout_s)
+    target = Recording()
+    engine = GenerationEngine(_FakeDraft(), target, HFTokenizer(BosTokenizer(), [257]),
+                              WorkerDescription("target", "fake", 260, 4096, [257]))
+    for prompt in ("hi", "more"):
+        async for _ in engine.generate(GenerateParams(prompt=prompt, max_new_tokens=2, session_id="s")):
+            pass
+        text_ids = tuple(3 + b % 200 for b in prompt.encode())
+        first = target.appended[0]  # the turn's first commit: (last turn's output token,) + the prompt's ids
+        assert first[-len(text_ids) - 1:] == ((1,) + text_ids if prompt == "hi" else (7,) + text_ids), first
+        target.appended.clear()
+
+
+def test_a_failing_trace_write_stops_tracing_not_the_request(tmp_path, caplog) -> None:
+    """--trace-file on a full disk: each round's write raised, the turn rolled back and the client got
+    INTERNAL. Now it is logged once and tracing stops."""
+    from orchestrator.traces import RoundTrace, TraceWriter
+
+    writer = TraceWriter(tmp_path / "t.jsonl")
+
+    class Full:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            pass
+    writer._file = Full()
+    trace = RoundTrace(**{f.name: 0 for f in __import__("dataclasses").fields(RoundTrace)})
+    with caplog.at_level(logging.ERROR, logger="orchestrator.traces"):
+        writer.write(trace)
+        writer.write(trace)
+    assert [r.getMessage() for r in caplog.records].count("round trace file write failed, tracing stops: "
+                                                        "[Errno 28] No space left on device") == 1
+
+
+async def test_an_ephemeral_turn_does_not_evict_named_sessions() -> None:
+    """An ephemeral turn's tokens were counted (touch) before its session was dropped: a 200-token
+    request evicted a 450-token chat history from a 1,000-token budget, although its own were freed
+    at once, and that chat's next turn got NOT_FOUND."""
+    engine = GenerationEngine(_FakeDraft(), _FakeTarget(), ByteTokenizer(),
+                              WorkerDescription("target", "fake", 260, 4096, [257]),
+                              limits=EngineLimits(max_session_tokens=1000))
+    for name in ("alice", "bob"):
+        async for _ in engine.generate(GenerateParams(prompt_ids=tuple(3 + i % 250 for i in range(440)), max_new_tokens=10,
+                                                      session_id=name)):
+            pass
+    assert engine.sessions.tokens == 900
+    async for _ in engine.generate(GenerateParams(prompt_ids=tuple(range(3, 193)), max_new_tokens=10)):
+        pass
+    assert engine.sessions.tokens == 900 and len(engine.sessions) == 2
+    async for _ in engine.generate(GenerateParams(prompt_ids=(5,), max_new_tokens=1, session_id="alice",
+                                                  resume_session=True)):
+        pass

@@ -445,6 +445,40 @@ def test_a_forward_that_loses_the_device_stops_the_worker(forward, caplog) -> No
     scheduler.close()
 
 
+def test_a_lost_device_in_one_calls_own_forward_stops_the_worker_too() -> None:
+    """Models without ragged batching run each step of a batch as its own forward and hand a step's
+    error back as its output: a lost device there was that call's INTERNAL, for every call of every
+    later batch, while the worker stayed SERVING."""
+    failures: list[BaseException] = []
+
+    def forward(steps: list[Step]) -> list:
+        return [RuntimeError("CUDA error: an illegal memory access was encountered") if s.session == "b" else 1
+                for s in steps]
+    scheduler = BatchScheduler(forward, BatchLimits(window_ms=0.0))
+    scheduler.on_failure(failures.append)
+    assert scheduler.submit("a", call("a"))[0].result(WAIT_S) == [1]
+    with pytest.raises(WorkerUnavailable, match="left the device unusable"):
+        scheduler.submit("b", call("b"))[0].result(WAIT_S)
+    scheduler._thread.join(WAIT_S)
+    assert len(failures) == 1 and "illegal memory access" in str(failures[0])
+    scheduler.close()
+
+
+def test_a_refusal_for_kv_room_carries_a_retry_hint(forward) -> None:
+    """The KV budget full of sessions in use (CapacityExceeded from a call's own steps) frees as
+    those calls end: RESOURCE_EXHAUSTED with a retry hint, which the orchestrator waits out mid-turn."""
+    def refused():
+        raise CapacityExceeded("KV budget cannot hold 500 tokens next to the sessions in use")
+        yield  # noqa - a generator
+    scheduler = make_scheduler(forward)
+    try:
+        with pytest.raises(CapacityExceeded) as failed:
+            scheduler.submit("a", refused)[0].result(WAIT_S)
+        assert failed.value.retry_after_ms >= 10
+    finally:
+        scheduler.close()
+
+
 def test_errors_inside_a_call_reach_only_that_call(forward) -> None:
     def broken():
         raise ValueError("bad request")
@@ -1192,7 +1226,8 @@ def test_session_store_flags_are_checked_before_the_model_loads() -> None:
     add_worker_args(parser, "tiny:seed=0")
     assert store_limits(parser.parse_args([])).ttl_s == 600.0
     for flags in (["--session-ttl-s", "0"], ["--cache-budget-mb", "-1"], ["--max-sessions", "0"],
-                  ["--calibration-s", "nan"]):
+                  ["--calibration-s", "nan"], ["--max-batch", "0"], ["--max-queue", "-1"], ["--batch-window-ms", "-5"],
+                  ["--max-batch-tokens", "0"], ["--prefill-chunk", "x"], ["--prefill-itl-factor", "0.5"]):
         with pytest.raises(SystemExit, match="must be"):
             check_worker_flags(parser.parse_args(flags))
     # TLS half given (mTLS meant: a CA and a certificate, no key) served plaintext with no client auth.
