@@ -632,9 +632,9 @@ class Round:
                 # A full target queue or a forward out of memory, mid-turn: waited out as its retry
                 # hint says, within target_retry_s and the deadline, since failing would drop what the
                 # turn has streamed. Before the turn's first token the caller gets it at once: load
-                # shedding, which a client retries with its own backoff. Without a hint (the KV
-                # budget cannot hold the session beside those in use, a message over the size
-                # limit) waiting is not known to help: it fails as before.
+                # shedding, which a client retries with its own backoff. The KV budget full of
+                # sessions in use carries a hint too (they are held only for their calls); without
+                # one (a message over the size limit) waiting is not known to help: it fails.
                 hint_ms = getattr(exc, "retry_after_ms", None)
                 wait = max(0.05, (hint_ms or 0) / 1000.0)
                 left = self.deadline.remaining()

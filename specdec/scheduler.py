@@ -81,11 +81,13 @@ _DROPPED, _ADMITTED, _WAITS = "dropped", "admitted", "waits"  # where admission 
 # matched by message, so that this module needs no torch.
 _OOM_MESSAGES = ("can't allocate memory", "not enough memory", "defaultcpuallocator", "out of memory")
 # CUDA errors that leave the process's device context unusable (sticky): every later forward would
-# fail the same way, so the worker must be restarted, not keep answering INTERNAL. Matched by message
-# (torch raises them as torch.AcceleratorError, a RuntimeError, as it does non-sticky CUDA errors).
-_DEVICE_LOST_MESSAGES = ("illegal memory access", "device-side assert", "illegal instruction",
+# fail the same way, so the worker must be restarted, not keep answering INTERNAL. By the CUDA error
+# code where the exception carries one, else by the message's first line ("CUDA error: ..."): torch
+# appends to every CUDA error a note on device-side assertion tracking, which must not match.
+_STICKY_CUDA_ERRORS = frozenset({214, 700, 710, 714, 715, 716, 717, 718, 719})  # ECC, illegal address, assert, ...
+_DEVICE_LOST_MESSAGES = ("illegal memory access", "device-side assert triggered", "illegal instruction",
                          "unspecified launch failure", "misaligned address", "uncorrectable ecc",
-                         "hardware stack error", "cuda error: unknown error")
+                         "hardware stack error")
 
 
 def out_of_memory(exc: BaseException) -> bool:
@@ -97,8 +99,14 @@ def out_of_memory(exc: BaseException) -> bool:
 
 
 def device_lost(exc: BaseException) -> bool:
-    """Whether a forward's error means the device is lost to this process (see _DEVICE_LOST_MESSAGES)."""
-    return not out_of_memory(exc) and any(m in str(exc).lower() for m in _DEVICE_LOST_MESSAGES)
+    """Whether an error means the device is lost to this process (a sticky CUDA error)."""
+    if out_of_memory(exc):
+        return False
+    code = getattr(exc, "error_code", None)
+    if isinstance(code, int):
+        return code in _STICKY_CUDA_ERRORS
+    first_line = (str(exc).splitlines() or [""])[0].lower()
+    return "cuda error" in first_line and any(m in first_line for m in _DEVICE_LOST_MESSAGES)
 
 
 class DeviceLost(RuntimeError):
@@ -404,7 +412,8 @@ class BatchScheduler:
 
     def _die(self, exc: BaseException) -> None:
         """The model thread failed outside every call's own error handling (a bug in admission or
-        selection), or a forward lost the device (DeviceLost: a sticky CUDA error). Without this the thread died silently and submit() kept taking calls whose futures
+        selection), or the device was lost (DeviceLost: a sticky CUDA error, in a forward or in a
+        call's own steps). Without this the thread died silently and submit() kept taking calls whose futures
         never resolved (a Verify then hung for the orchestrator's whole --target-timeout-s). Now every
         call fails at once and so does every later submit, and the worker's health goes NOT_SERVING
         (on_failure). UNAVAILABLE, not INTERNAL: the cause is a bug (logged here with its traceback),
@@ -522,6 +531,7 @@ class BatchScheduler:
         try:
             job.steps = job.make_steps()
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
+            self._raise_if_device_lost(exc)
             self._fail(job, self._as_capacity_error(exc))
             return
         self._advance(job, None, first=True)
@@ -534,9 +544,17 @@ class BatchScheduler:
         except StopIteration as stop:
             self._finish(job, stop.value)
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
+            # A CUDA fault surfaces at the next sync, often in a call's own steps (its sampling's
+            # .tolist(), a branch's copy): the device is as lost as in a forward.
+            self._raise_if_device_lost(exc)
             # Out of memory between forwards (a branch's cache copy, the verify rule on the device)
             # is load as much as in a forward.
             self._fail(job, self._as_capacity_error(exc))
+
+    @staticmethod
+    def _raise_if_device_lost(exc: BaseException) -> None:
+        if device_lost(exc):  # the call stays active: _die fails it, and all others, UNAVAILABLE
+            raise DeviceLost(f"a call's work between forwards left the device unusable: {exc}") from exc
 
     def _drop_expired(self) -> None:
         now = self._clock()

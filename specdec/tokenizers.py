@@ -57,7 +57,11 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """add_special_tokens: the tokenizer's own (Llama's and Gemma's BOS; Qwen's none), for a
         sequence's start."""
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+        ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+        bos = getattr(self._tok, "bos_token_id", None)
+        if add_special_tokens and bos is not None and ids[:2] == [bos, bos]:
+            ids = ids[1:]  # the text brought its own BOS (a chat template rendered by the client)
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Without the clean-up of spaces some tokenizers turn on (Llama 3: " ." becomes "."): it

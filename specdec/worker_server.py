@@ -183,7 +183,7 @@ def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve(), 
                      prefill_chunk_within(rows_curve, args.max_batch, itl_limit_ms(rows_curve, 1, itl_factor),
                                           args.max_batch_tokens), args.max_batch)
     else:
-        prefill_chunk = int(chunk) if chunk.isdigit() else -1
+        prefill_chunk = int(chunk) if chunk.isascii() and chunk.isdigit() else -1
         if prefill_chunk < 0:
             raise SystemExit(f"--prefill-chunk must be a number of rows (0: off) or auto, got {chunk!r}")
     if args.prefill_itl_factor is not None and (not itl_factor_valid(args.prefill_itl_factor)
@@ -209,10 +209,14 @@ def check_worker_flags(args: argparse.Namespace) -> None:
     if not 1 <= args.max_k <= MAX_K:  # a huge one made the calibration run a forward of that many rows
         raise SystemExit(f"--max-k must be in [1, {MAX_K}] (the most drafts a round may verify), got {args.max_k}")
     if (args.max_batch < 1 or args.max_batch_tokens < 1 or args.max_queue < 0 or not args.batch_window_ms >= 0
-            or (str(args.prefill_chunk) != "auto" and not str(args.prefill_chunk).isdigit())
-            or (args.prefill_itl_factor is not None and not itl_factor_valid(args.prefill_itl_factor))):
+            or (str(args.prefill_chunk) != "auto" and not (str(args.prefill_chunk).isascii()
+                                                          and str(args.prefill_chunk).isdigit()))
+            or (args.prefill_itl_factor is not None and (not itl_factor_valid(args.prefill_itl_factor)
+                                                         or (args.prefill_itl_factor > 0
+                                                             and str(args.prefill_chunk) != "auto")))):
         raise SystemExit("--max-batch and --max-batch-tokens must be >= 1, --max-queue and --batch-window-ms >= 0, "
-                         "--prefill-chunk a number of rows or auto, --prefill-itl-factor 0 or >= 1; got "
+                         "--prefill-chunk a number of rows or auto, --prefill-itl-factor 0 or >= 1 (and > 0 "
+                         "only with --prefill-chunk auto); got "
                          f"{args.max_batch}, {args.max_batch_tokens}, {args.max_queue}, {args.batch_window_ms}, "
                          f"{args.prefill_chunk!r}, {args.prefill_itl_factor}")
     from specdec import security

@@ -952,6 +952,23 @@ async def test_a_sessions_first_text_gets_the_tokenizers_bos_and_its_continuatio
         target.appended.clear()
 
 
+def test_a_prompt_that_brings_its_own_bos_gets_one_bos() -> None:
+    """A client that renders the chat template itself sends text that starts with the BOS token's
+    text; HF tokenizers parse it, so adding the special tokens gave two BOS."""
+    from specdec.tokenizers import HFTokenizer
+
+    class BosTokenizer:
+        bos_token_id = 1
+
+        def encode(self, text, add_special_tokens=True):
+            ids = [1] if text.startswith("<s>") else []
+            return ([1] if add_special_tokens else []) + ids + [3 + b % 200 for b in text.removeprefix("<s>").encode()]
+    tok = HFTokenizer(BosTokenizer(), [2])
+    assert tok.encode("<s>hi", add_special_tokens=True) == [1, 3 + ord("h"), 3 + ord("i")]
+    assert tok.encode("hi", add_special_tokens=True) == [1, 3 + ord("h"), 3 + ord("i")]
+    assert tok.encode("hi") == [3 + ord("h"), 3 + ord("i")]
+
+
 def test_a_failing_trace_write_stops_tracing_not_the_request(tmp_path, caplog) -> None:
     """--trace-file on a full disk: each round's write raised, the turn rolled back and the client got
     INTERNAL. Now it is logged once and tracing stops."""

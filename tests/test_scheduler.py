@@ -464,6 +464,43 @@ def test_a_lost_device_in_one_calls_own_forward_stops_the_worker_too() -> None:
     scheduler.close()
 
 
+def test_only_sticky_cuda_errors_count_as_a_lost_device() -> None:
+    """torch appends a note on device-side assertion tracking to every CUDA error: matching the whole
+    message made a transient launch error ("invalid configuration argument") stop a healthy worker."""
+    from specdec.scheduler import device_lost
+    note = "\nCUDA kernel errors might be asynchronously reported.\nDevice-side assertion tracking was not enabled by user."
+    assert not device_lost(RuntimeError("CUDA error: invalid configuration argument" + note))
+    assert not device_lost(RuntimeError("CUDA error: too many resources requested for launch" + note))
+    assert not device_lost(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB" + note))
+    assert not device_lost(ValueError("an illegal memory access in a message about something else"))
+    assert device_lost(RuntimeError("CUDA error: an illegal memory access was encountered" + note))
+    assert device_lost(RuntimeError("CUDA error: device-side assert triggered" + note))
+
+    class AcceleratorError(RuntimeError):
+        def __init__(self, message: str, error_code: int) -> None:
+            super().__init__(message)
+            self.error_code = error_code
+    assert device_lost(AcceleratorError("CUDA error: whatever the text", 700))
+    assert not device_lost(AcceleratorError("CUDA error: an illegal memory access was encountered", 9))
+
+
+def test_a_lost_device_in_a_calls_own_steps_stops_the_worker(forward) -> None:
+    """A CUDA fault surfaces at the next sync, often in a call's own steps (its sampling's .tolist()):
+    there too the worker stops (UNAVAILABLE, NOT_SERVING) rather than answering INTERNAL."""
+    failures: list[BaseException] = []
+
+    def faulting():
+        yield Step("a", [0])
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    scheduler = make_scheduler(forward)
+    scheduler.on_failure(failures.append)
+    with pytest.raises(WorkerUnavailable, match="between forwards left the device unusable"):
+        scheduler.submit("a", faulting)[0].result(WAIT_S)
+    scheduler._thread.join(WAIT_S)
+    assert len(failures) == 1
+    scheduler.close()
+
+
 def test_a_refusal_for_kv_room_carries_a_retry_hint(forward) -> None:
     """The KV budget full of sessions in use (CapacityExceeded from a call's own steps) frees as
     those calls end: RESOURCE_EXHAUSTED with a retry hint, which the orchestrator waits out mid-turn."""
@@ -1227,7 +1264,8 @@ def test_session_store_flags_are_checked_before_the_model_loads() -> None:
     assert store_limits(parser.parse_args([])).ttl_s == 600.0
     for flags in (["--session-ttl-s", "0"], ["--cache-budget-mb", "-1"], ["--max-sessions", "0"],
                   ["--calibration-s", "nan"], ["--max-batch", "0"], ["--max-queue", "-1"], ["--batch-window-ms", "-5"],
-                  ["--max-batch-tokens", "0"], ["--prefill-chunk", "x"], ["--prefill-itl-factor", "0.5"]):
+                  ["--max-batch-tokens", "0"], ["--prefill-chunk", "x"], ["--prefill-chunk", "\u00b2"],
+                  ["--prefill-itl-factor", "0.5"], ["--prefill-itl-factor", "2", "--prefill-chunk", "32"]):
         with pytest.raises(SystemExit, match="must be"):
             check_worker_flags(parser.parse_args(flags))
     # TLS half given (mTLS meant: a CA and a certificate, no key) served plaintext with no client auth.
