@@ -602,6 +602,14 @@ async def test_load_sweep_reports_both_modes_per_level(tmp_path) -> None:
     # several (the first chunk's extra tokens come with the first token and have no gap of their own).
     assert all(len(lv.itl_ms) == 5 * lv.streams for lv in levels if lv.mode == "target-only")
     assert all(0 < len(lv.itl_ms) <= 5 * lv.streams for lv in levels if lv.mode == "speculative")
+    # The ITL reported is per chunk, the gap a client waits: a speculative round of n tokens is one
+    # gap, not n gaps of a n-th of it (which understated the tail); spread per token, the same time.
+    for lv in levels:
+        assert len(lv.chunk_gap_ms) == len(lv.arrivals) - lv.streams  # every chunk after each request's first
+        assert sum(lv.chunk_gap_ms) == pytest.approx(sum(lv.itl_ms))
+        assert len(lv.tpot_ms) == lv.streams and all(t > 0 for t in lv.tpot_ms)
+        summary = lv.summary()
+        assert summary["itl_p99_ms"] >= summary["token_gap_p99_ms"] - 0.1 and summary["tpot_p50_ms"] > 0
     assert references == {i: reference_greedy(p, 6) for i, p in enumerate(PROMPTS[:3])}
     per_repeat, busy = ratios(levels), ratios(levels, busy=True)
     assert sorted(per_repeat) == [1, 2] and all(len(v) == 2 and min(v) > 0 for v in per_repeat.values())

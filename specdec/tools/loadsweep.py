@@ -7,9 +7,12 @@ often and "x one stream" compares the same mix of prompts), with the server's de
 k = 0 (target-only) through the same services. With `--repeats R` the two modes alternate R times per
 level in ABBA order (spec, target-only, target-only, spec, ...), so a drift of the machine's speed over
 the run falls on both modes alike; the report gives each repeat's ratio and their spread. Reports per
-level: aggregate tok/s, p50 and p99 inter-token latency (each chunk's gap spread over the tokens it
-carried, so a speculative round's burst counts as that many tokens), p50 and p99 time to first
-token, and how many outputs differ from the same prompt run alone (identity under batching).
+level: aggregate tok/s, p50 and p99 inter-token latency per chunk (the gap a client waits between two
+messages of a stream; a speculative round's tokens come in one message, so its gap counts once, as
+vLLM's benchmark counts it), beside it the same gaps spread over the tokens each chunk carried (per
+token: before 2026-11-28 the only ITL reported, which understates a speculative tail), p50 time per
+output token (TPOT: a request's time after its first message over the tokens after it), p50 and
+p99 time to first token, and how many outputs differ from the same prompt run alone (identity under batching).
 Throughput is given twice: over the whole block (until the last stream's last request ends) and
 while all N streams were busy (until the first stream ran out of requests). A closed loop with a
 fixed request count ends in a drain, in which fewer than N streams run; speculation, whose requests
@@ -42,7 +45,8 @@ async def _one(stub: Any, prompt_ids: list[int], max_new: int, fixed_k: int | No
     req = make_request(prompt_ids, max_new, fixed_k)
     ids: list[int] = []
     arrivals: list[tuple[float, int]] = []
-    start = last = time.perf_counter()
+    start = last = first = time.perf_counter()
+    first_tokens = 0
     try:
         async for chunk in stub.GenerateStream(req, timeout=timeout_s):
             now = time.perf_counter()
@@ -50,7 +54,9 @@ async def _one(stub: Any, prompt_ids: list[int], max_new: int, fixed_k: int | No
                 arrivals.append((now - level.started, len(chunk.token_ids)))
                 if not ids:
                     level.ttft_ms.append((now - start) * 1000.0)
+                    first, first_tokens = now, len(chunk.token_ids)
                 else:
+                    level.chunk_gap_ms.append((now - last) * 1000.0)
                     level.itl_ms.extend([(now - last) * 1000.0 / len(chunk.token_ids)] * len(chunk.token_ids))
                 ids.extend(chunk.token_ids)
                 last = now
@@ -63,6 +69,8 @@ async def _one(stub: Any, prompt_ids: list[int], max_new: int, fixed_k: int | No
     except grpc.aio.AioRpcError as err:
         level.errors[err.code().name] = level.errors.get(err.code().name, 0) + 1
         return None
+    if len(ids) > first_tokens:
+        level.tpot_ms.append((last - first) * 1000.0 / (len(ids) - first_tokens))
     level.tokens += len(ids)
     level.arrivals.extend(arrivals)  # a failed request's tokens count in neither figure
     return ids
