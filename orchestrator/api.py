@@ -108,6 +108,7 @@ class GenerationEvent:
 class EngineLimits:
     max_new_tokens: int = 4096
     max_prompt_chars: int = 1_000_000
+    max_messages: int = 1024  # per request: the chat template renders them all, empty ones too
     max_stop_strings: int = 16
     max_stop_chars: int = 1024  # each stop string's length: every round searches the tail that long
     max_sessions: int = 10_000

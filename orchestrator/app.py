@@ -6,13 +6,14 @@ import asyncio
 import logging
 import math
 import time
+import tomllib
 from dataclasses import dataclass
 from typing import Any
 
 from orchestrator import servicer as orch_servicer
 from orchestrator.admission import Admission
 from orchestrator.clients import EmulatedLatency, GrpcDraftBackend, GrpcTargetBackend, open_channel
-from orchestrator.config import SpeculationConfig
+from orchestrator.config import SpeculationConfig, SpeculationConfigError
 from orchestrator.api import EngineLimits
 from orchestrator.engine import GenerationEngine
 from orchestrator.metrics import OrchestratorMetrics
@@ -221,10 +222,16 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
     for flag in ("max_sessions", "max_session_tokens"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    for flag in ("connect_timeout_s", "discovery_refresh_s", "target_timeout_s"):
+    for flag in ("connect_timeout_s", "discovery_refresh_s", "target_timeout_s", "session_ttl_s"):
         value = getattr(args, flag)
-        if not (math.isfinite(value) and value > 0):  # 0 made the DNS refresh a busy loop
+        if not (math.isfinite(value) and value > 0):  # 0 made the DNS refresh a busy loop; every session expire
             raise SystemExit(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {value}")
+    for flag in ("grace_s", "drain_delay_s"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value >= 0):
+            raise SystemExit(f"--{flag.replace('_', '-')} must be a number of seconds >= 0, got {value}")
+    if args.max_new_tokens_limit < 1:  # 0 refused every request
+        raise SystemExit(f"--max-new-tokens-limit must be at least 1, got {args.max_new_tokens_limit}")
     security.check_tls_flags(args, {"--tls-cert": ("--tls-key",), "--tls-key": ("--tls-cert",),
                                     "--worker-client-cert": ("--worker-client-key", "--worker-ca"),
                                     "--worker-client-key": ("--worker-client-cert", "--worker-ca"),
@@ -232,10 +239,13 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
     if args.auth_token_file and not args.tls_cert:  # allowed: TLS may end at a mesh sidecar in front
         log.warning("--auth-token-file without --tls-cert/--tls-key: bearer tokens arrive in plaintext "
                     "unless a proxy in front of this port terminates TLS")
-    spec = SpeculationConfig.from_toml(args.config) if args.config else SpeculationConfig()
     flags = {"policy": args.policy, "min_k": args.min_k, "max_k": args.max_k, "fixed_k": args.fixed_k,
              "min_draft_prob": args.min_draft_prob, "pipeline": args.pipeline}
-    spec = spec.with_values({k: v for k, v in flags.items() if v is not None}, "flags")  # flags beat the file
+    try:  # a clear exit, not a traceback, for a bad or missing file or flag value
+        spec = SpeculationConfig.from_toml(args.config) if args.config else SpeculationConfig()
+        spec = spec.with_values({k: v for k, v in flags.items() if v is not None}, "flags")  # flags beat the file
+    except (SpeculationConfigError, OSError, tomllib.TOMLDecodeError) as exc:
+        raise SystemExit(f"speculation config: {exc}") from None
     limits = EngineLimits(max_new_tokens=args.max_new_tokens_limit, max_sessions=args.max_sessions,
                           max_session_tokens=args.max_session_tokens,
                           session_ttl_s=args.session_ttl_s, target_timeout_s=args.target_timeout_s)

@@ -229,7 +229,16 @@ class SpeculationConfig:
     @classmethod
     def from_toml(cls, path: str, base: "SpeculationConfig | None" = None) -> "SpeculationConfig":
         with open(path, "rb") as f:
-            table = tomllib.load(f).get("speculation", {})
+            document = tomllib.load(f)
+        # Everything outside [speculation] was ignored: a file without the header, or with it
+        # misspelled, loaded as the defaults without a word.
+        unknown = sorted(set(document) - {"speculation"})
+        if unknown:
+            raise SpeculationConfigError(f"{path}: unknown top-level key(s) {', '.join(unknown)}; the settings "
+                                         "go in a [speculation] table")
+        table = document.get("speculation", {})
+        if not isinstance(table, dict):
+            raise SpeculationConfigError(f"{path}: speculation must be a table ([speculation]), not {type(table).__name__}")
         return (base or cls()).with_values(table, path)
 
     def make_policy(self) -> KPolicy:

@@ -105,6 +105,8 @@ class GenerationEngine:
                 raise InvalidRequest("messages is empty")
             if bad_roles := [r for r, _ in params.messages if r not in ("system", "user", "assistant", "tool")]:
                 raise InvalidRequest(f"unknown message role {bad_roles[0]!r}")
+            if len(params.messages) > self.limits.max_messages:  # 100k empty ones rendered for 1.85 s
+                raise InvalidRequest(f"{len(params.messages)} messages; the limit is {self.limits.max_messages}")
         if params.session_id is not None:
             validate_session_id(params.session_id)
         if params.max_new_tokens <= 0:
@@ -210,7 +212,7 @@ class GenerationEngine:
                                                          add_special_tokens=not session.tokens)
         assert params.messages is not None
         history = session.messages + [{"role": r, "content": c} for r, c in params.messages]
-        chars = sum(len(m["content"]) for m in history)
+        chars = sum(len(m["content"]) + 16 for m in history)  # + what a template adds per message
         rendered = await self._off_loop(chars, self.tokenizer.apply_chat_template, history, add_generation_prompt=True)
         session.messages = history
         return rendered

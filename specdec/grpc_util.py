@@ -145,6 +145,8 @@ class ServerHandle:
         """NOT_SERVING first (load balancers and readiness probes move traffic away during
         drain_delay_s), then stop accepting RPCs and let in-flight ones finish within grace_s."""
         await self.set_serving(False)
+        # Every entry, those set since start too (the orchestrator's .../draft), and none set back.
+        await self.health.enter_graceful_shutdown()
         if drain_delay_s > 0:
             await asyncio.sleep(drain_delay_s)
         await self.server.stop(grace_s)

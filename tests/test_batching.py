@@ -734,3 +734,29 @@ def test_a_worker_batches_through_packed_attention_and_falls_back_when_the_kerne
     out = core.feed_many([ForwardStep(sessions[0], [5, 6], 1), ForwardStep(sessions[1], [9, 10], 1)])
     assert torch.equal(out[0], RaggedForward(loaded.model, attention="per-session")(
         [RaggedItem(new_cache(loaded.model), [5, 6], 1), RaggedItem(new_cache(loaded.model), [9, 10], 1)])[0])
+
+
+def test_per_message_gaps_are_rebuilt_from_per_token_values(tmp_path, capsys) -> None:
+    """scripts/itl_per_chunk.py: earlier loadtest.json files hold each message's gap once per token
+    (divided by its tokens); runs of equal values give the messages back."""
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    messages = {("speculative", 1): [(100.0, 4), (30.0, 1), (93.0, 3)], ("speculative", 8): [(200.0, 2), (40.0, 1)]}
+    raw = [{"mode": mode, "streams": streams, "repeat": 0, "requests": 1,
+            "itl_ms": [gap / n for gap, n in chunks for _ in range(n)], "arrivals": [[0.0, 1]] * (len(chunks) + 1)}
+           for (mode, streams), chunks in messages.items()]
+    path = tmp_path / "loadtest.json"
+    path.write_text(json.dumps({"raw": raw}))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "itl_per_chunk.py"
+    argv = sys.argv
+    sys.argv = [str(script), str(path)]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    assert "| speculative | 1 | 1 | 25 / 31 | 93 / 100 | 3 / 3 |" in out  # per token: 25 x4, 30, 31 x3
+    assert "p99 per chunk at 8 streams / 1 stream = 200 / 100 = 2.00x" in out

@@ -1009,3 +1009,32 @@ async def test_an_ephemeral_turn_does_not_evict_named_sessions() -> None:
     async for _ in engine.generate(GenerateParams(prompt_ids=(5,), max_new_tokens=1, session_id="alice",
                                                   resume_session=True)):
         pass
+
+
+async def test_draining_turns_every_health_entry_not_serving_for_good() -> None:
+    """stop() set only "" and the service names: the orchestrator's .../draft entry stayed SERVING
+    through the drain, and a draft report could set it back."""
+    from grpc_health.v1 import health_pb2
+
+    from specdec import grpc_util
+    handle = await grpc_util.start_server(lambda server: None, ["specdec.v1.Orchestrator"])
+    await handle.set_status("specdec.v1.Orchestrator/draft", True)
+    await handle.stop(grace_s=0.1)
+    await handle.set_status("specdec.v1.Orchestrator/draft", True)  # a late report changes nothing
+    statuses = handle.health._server_status
+    assert set(statuses) >= {"", "specdec.v1.Orchestrator", "specdec.v1.Orchestrator/draft"}
+    assert all(status == health_pb2.HealthCheckResponse.NOT_SERVING for status in statuses.values())
+
+
+async def test_a_chat_request_of_too_many_messages_is_refused_before_rendering() -> None:
+    """Messages were counted by their text only: 100k empty ones were rendered on the event loop
+    (1.85 s with the embedded tokenizer), stalling every stream and the health checks."""
+    from specdec.errors import InvalidRequest
+
+    engine = GenerationEngine(_FakeDraft(), _FakeTarget(), ByteTokenizer(), WorkerDescription("target", "fake", 260, 4096, [257]),
+                              limits=EngineLimits(max_messages=4))
+    with pytest.raises(InvalidRequest, match="5 messages; the limit is 4"):
+        async for _ in engine.generate(GenerateParams(messages=(("user", ""),) * 5, max_new_tokens=2)):
+            pass
+    async for _ in engine.generate(GenerateParams(messages=(("user", "hi"),) * 4, max_new_tokens=2)):
+        pass

@@ -123,3 +123,32 @@ def test_workers_take_only_an_exact_zero_top_p_as_unset() -> None:
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="top_p"):
             SamplingConfig.from_pb(common_pb2.SamplingParams(top_p=bad)).validate()
+
+
+def test_a_config_file_outside_its_table_or_a_bad_flag_is_refused_clearly(tmp_path) -> None:
+    """Keys outside [speculation] (no header, or a misspelled one) loaded as the defaults without a
+    word; a bad or missing --config, a zero --session-ttl-s (every session expired), a zero
+    --max-new-tokens-limit (every request refused) or a negative --grace-s were taken, or crashed
+    with a traceback."""
+    import argparse
+
+    from orchestrator.app import add_args, config_from_args
+    from orchestrator.config import SpeculationConfig, SpeculationConfigError
+
+    for text, match in (("max_k = 3\n", "unknown top-level key"), ("[speculaton]\nmax_k = 3\n", "speculaton"),
+                        ("speculation = 3\n", "must be a table"), ("[[speculation]]\nmax_k = 3\n", "must be a table")):
+        path = tmp_path / "c.toml"
+        path.write_text(text)
+        with pytest.raises(SpeculationConfigError, match=match):
+            SpeculationConfig.from_toml(str(path))
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    base = ["--draft", "127.0.0.1:1", "--target", "127.0.0.1:2"]
+    for flags, match in ((["--config", str(tmp_path / "missing.toml")], "speculation config"),
+                         (["--config", str(tmp_path / "c.toml")], "speculation config"),
+                         (["--max-k", "99"], "speculation config"), (["--session-ttl-s", "0"], "session-ttl-s"),
+                         (["--max-new-tokens-limit", "0"], "max-new-tokens-limit"), (["--grace-s", "-1"], "grace-s"),
+                         (["--drain-delay-s", "nan"], "drain-delay-s")):
+        with pytest.raises(SystemExit, match=match):
+            config_from_args(parser.parse_args(base + flags))
+    assert config_from_args(parser.parse_args(base)).limits.session_ttl_s == 600.0
