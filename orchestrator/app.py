@@ -53,6 +53,7 @@ class OrchestratorConfig:
     worker_client_key: str | None = None
     worker_server_name: str | None = None
     metrics_port: int | None = None
+    health_port: int | None = None  # plaintext health-only port (grpc_util.start_server)
     discovery_refresh_s: float = 5.0
     emulated_one_way_ms: float = 0.0  # benchmarks: network latency emulated on loopback
 
@@ -151,7 +152,8 @@ async def start_orchestrator(cfg: OrchestratorConfig):
     interceptors = [security.BearerTokenInterceptor(list(cfg.auth_tokens))] if cfg.auth_tokens else []
     handle = await grpc_util.start_server(lambda s: orch_servicer.register(servicer, s),
                                           [orch_servicer.SERVICE_NAME], host=cfg.host, port=cfg.port,
-                                          credentials=credentials, interceptors=interceptors)
+                                          credentials=credentials, interceptors=interceptors,
+                                          health_port=cfg.health_port)
     if metrics is not None:
         handle.metrics_port = serve_metrics(cfg.metrics_port, metrics.registry, cfg.host)
 
@@ -183,6 +185,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-client-key", help="key of the client certificate")
     parser.add_argument("--worker-server-name", help="name expected in worker certificates (default: the host)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: any)")
+    parser.add_argument("--health-port", type=int,
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port: for kubelet's grpc "
+                             "probes when the API port uses TLS")
     parser.add_argument("--tokenizer", default=DEFAULT_TARGET, help="tokenizer ref (the target's model ref)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
@@ -257,7 +262,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
                               worker_client_key=args.worker_client_key, worker_server_name=args.worker_server_name,
                               metrics_port=args.metrics_port, discovery_refresh_s=args.discovery_refresh_s,
                               emulated_one_way_ms=args.emulate_one_way_latency_ms,
-                              connect_timeout_s=args.connect_timeout_s)
+                              connect_timeout_s=args.connect_timeout_s, health_port=args.health_port)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -132,6 +132,8 @@ class ServerHandle:
         self.health = health_servicer
         self.services = services
         self.metrics_port: int | None = None
+        self.health_server: grpc.aio.Server | None = None  # the plaintext health-only port, if any
+        self.health_port: int | None = None
 
     async def set_serving(self, serving: bool) -> None:
         for name in ["", *self.services]:
@@ -150,6 +152,8 @@ class ServerHandle:
         if drain_delay_s > 0:
             await asyncio.sleep(drain_delay_s)
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 def delayed_call(call: Callable[[Any, Any], Awaitable[Any]], ms: float) -> Callable[[Any, Any], Awaitable[Any]]:
@@ -165,7 +169,9 @@ async def start_server(register: Callable[[grpc.aio.Server], None], service_name
                        host: str = "127.0.0.1", port: int = 0,
                        credentials: grpc.ServerCredentials | None = None,
                        interceptors: list[Any] | None = None,
-                       keepalive_ms: int = KEEPALIVE_MS) -> ServerHandle:
+                       keepalive_ms: int = KEEPALIVE_MS, health_port: int | None = None) -> ServerHandle:
+    """health_port: also serve grpc.health.v1 alone, in plaintext, on this port (0: any), with the
+    same statuses: kubelet's grpc probes speak plaintext, so with TLS on the API port they need it."""
     server = grpc.aio.server(options=server_options(keepalive_ms), interceptors=interceptors or [])
     register(server)
     health_servicer = health.aio.HealthServicer()
@@ -177,6 +183,14 @@ async def start_server(register: Callable[[grpc.aio.Server], None], service_name
         raise RuntimeError(f"could not bind {address}")
     await server.start()
     handle = ServerHandle(server, bound, health_servicer, service_names)
+    if health_port is not None:
+        handle.health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, handle.health_server)
+        handle.health_port = handle.health_server.add_insecure_port(f"{host}:{health_port}")
+        if handle.health_port == 0:
+            await server.stop(0)
+            raise RuntimeError(f"could not bind the health port {host}:{health_port}")
+        await handle.health_server.start()
     await handle.set_serving(True)
     return handle
 

@@ -160,6 +160,9 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--tls-key", help="PEM private key")
     parser.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: any)")
+    parser.add_argument("--health-port", type=int,
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port: for kubelet's grpc "
+                             "probes when the API port uses TLS")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -248,7 +251,8 @@ async def serve_worker(args: argparse.Namespace, role: str,
         from specdec import security
         credentials = security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     handle = await grpc_util.start_server(lambda server: register(servicer, server), [service_name],
-                                          host=args.host, port=args.port, credentials=credentials)
+                                          host=args.host, port=args.port, credentials=credentials,
+                                          health_port=args.health_port)
     loop = asyncio.get_running_loop()
     # A model thread that died serves nothing more: NOT_SERVING, so probes restart the worker and
     # balancers move traffic away (the scheduler, grpc-free, calls this from its thread).

@@ -531,3 +531,34 @@ def test_per_pair_state_keeps_the_pairs_in_use() -> None:
         bounded_entry(entries, f"pair{i}", object)
         assert bounded_entry(entries, "hot", object) is hot
     assert len(entries) == MAX_REPLICA_ENTRIES and "pair0" not in entries
+
+
+async def test_a_plaintext_health_port_answers_kubelets_probes_beside_an_mtls_api(tmp_path: Path) -> None:
+    """kubelet's grpc probes speak plaintext: with TLS on the API port (mTLS on a worker's) they
+    failed and the pods never became Ready. --health-port serves grpc.health.v1 alone, in plaintext,
+    with the same statuses; the API stays behind its credentials."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specdec import grpc_util
+    pki = make_pki(tmp_path)
+    creds = security.server_credentials(pki["server_cert"], pki["server_key"], client_ca=pki["ca"])
+    handle = await grpc_util.start_server(lambda server: None, ["specdec.v1.TargetWorker"], credentials=creds,
+                                          health_port=0)
+    assert handle.health_port and handle.health_port != handle.port
+
+    async def check(port: int, service: str = "") -> int:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                   timeout=5)
+            return reply.status
+    try:
+        assert await check(handle.health_port) == health_pb2.HealthCheckResponse.SERVING
+        assert await check(handle.health_port, "specdec.v1.TargetWorker") == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError):  # plaintext on the API port: refused
+            await check(handle.port)
+        await handle.set_status("", False)  # a failed model thread: the probe sees it
+        assert await check(handle.health_port) == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        await handle.stop(grace_s=0.1)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await check(handle.health_port)
