@@ -89,7 +89,7 @@ def measure_cost_curve(model: torch.nn.Module, vocab_size: int, max_tokens: int,
                 # Each run on a key length one longer: serving almost never repeats an attention
                 # shape (the context grows every step), and a backend that sets up per shape must
                 # show that here too (on the H200 a new shape cost 76.5 against 32 ms a step,
-                # 2026-11-27; cuDNN attention's per-shape graphs the likely cause). The GEMMs, set by
+                # 2026-11-27; cuDNN attention's per-shape graphs, measured 2026-11-28). The GEMMs, set by
                 # the row count alone, stay warm.
                 crop_cache(cache, context + rep)
                 start = time.perf_counter()

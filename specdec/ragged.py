@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from itertools import accumulate
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -173,8 +174,8 @@ def packed_attention_agrees(kernel: PackedAttention, device: torch.device, dtype
         query = torch.randn(sum(q_rows), heads, head_dim, generator=generator).to(device, dtype)
         key, value = (torch.randn(kv_heads, sum(k_rows), head_dim, generator=generator).to(device, dtype).transpose(0, 1)
                       for _ in range(2))
-        cu_q = torch.tensor([0, *torch.tensor(q_rows).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        cu_k = torch.tensor([0, *torch.tensor(k_rows).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        cu_q = torch.tensor(list(accumulate(q_rows, initial=0)), dtype=torch.int32, device=device)
+        cu_k = torch.tensor(list(accumulate(k_rows, initial=0)), dtype=torch.int32, device=device)
         try:
             got = kernel(query, key, value, cu_q, cu_k, max(q_rows), max(k_rows), scale).float()
             want = reference_packed_attention(query.float(), key.float(), value.float(), cu_q, cu_k, max(q_rows),
@@ -250,9 +251,7 @@ class RaggedForward:
         lengths = [len(item.tokens) for item in items]
         if not items or min(lengths) == 0:
             raise ValueError("every item needs at least one token")
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
+        starts = list(accumulate(lengths, initial=0))
         ids = torch.tensor([[t for item in items for t in item.tokens]], dtype=torch.long, device=self.device)
         hidden = self.inner.embed_tokens(ids)
         pasts = [item.cache.get_seq_length() for item in items]
@@ -262,8 +261,7 @@ class RaggedForward:
         if self._kernel:
             # Sequence boundaries of the packed queries and keys (keys: cached plus new), one copy per forward.
             ends = [p + n for p, n in zip(pasts, lengths)]
-            cu = torch.tensor([starts, [sum(ends[:i]) for i in range(len(ends) + 1)]], dtype=torch.int32,
-                              device=self.device)
+            cu = torch.tensor([starts, list(accumulate(ends, initial=0))], dtype=torch.int32, device=self.device)
             packing = (cu[0], cu[1], max(lengths), max(ends))
         else:
             # Per-session masks, built before any cache grows (as the model's forward does).

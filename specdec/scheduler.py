@@ -531,7 +531,7 @@ class BatchScheduler:
         try:
             job.steps = job.make_steps()
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
-            self._raise_if_device_lost(exc)
+            self._raise_if_device_lost(exc, "a call's work between forwards")
             self._fail(job, self._as_capacity_error(exc))
             return
         self._advance(job, None, first=True)
@@ -546,15 +546,17 @@ class BatchScheduler:
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
             # A CUDA fault surfaces at the next sync, often in a call's own steps (its sampling's
             # .tolist(), a branch's copy): the device is as lost as in a forward.
-            self._raise_if_device_lost(exc)
+            self._raise_if_device_lost(exc, "a call's work between forwards")
             # Out of memory between forwards (a branch's cache copy, the verify rule on the device)
             # is load as much as in a forward.
             self._fail(job, self._as_capacity_error(exc))
 
     @staticmethod
-    def _raise_if_device_lost(exc: BaseException) -> None:
-        if device_lost(exc):  # the call stays active: _die fails it, and all others, UNAVAILABLE
-            raise DeviceLost(f"a call's work between forwards left the device unusable: {exc}") from exc
+    def _raise_if_device_lost(exc: BaseException, where: str) -> None:
+        """DeviceLost out of the model loop where `exc` lost the device: the calls stay active, and
+        _die fails them, and all others, UNAVAILABLE."""
+        if device_lost(exc):
+            raise DeviceLost(f"{where} left the device unusable: {exc}") from exc
 
     def _drop_expired(self) -> None:
         now = self._clock()
@@ -654,8 +656,7 @@ class BatchScheduler:
         try:
             outputs = self._forward(steps)
         except BaseException as exc:  # noqa: BLE001 - every call in the forward gets the error
-            if device_lost(exc):  # the calls stay active: _die fails them, and all others, UNAVAILABLE
-                raise DeviceLost(f"a forward of {len(batch)} calls left the device unusable: {exc}") from exc
+            self._raise_if_device_lost(exc, f"a forward of {len(batch)} calls")
             if out_of_memory(exc):
                 log.warning("forward over %d calls and %d rows ran out of memory: %s", len(batch), rows, exc)
             else:
@@ -673,9 +674,7 @@ class BatchScheduler:
             self.prefill_chunks += any(job.pending is not None for job, _, _ in batch)
         for (job, step, _), output in zip(batch, outputs):
             if isinstance(output, Exception):  # this step's own failure (steps run one at a time)
-                if device_lost(output):  # as from a whole forward: every later one would fail too
-                    raise DeviceLost(f"a forward of {len(step.tokens)} rows left the device unusable: "
-                                     f"{output}") from output
+                self._raise_if_device_lost(output, f"a forward of {len(step.tokens)} rows")  # as from a whole forward
                 self._abort(job, self._as_capacity_error(output, 1, len(step.tokens)))
                 continue
             job.load.forwards += 1

@@ -166,14 +166,28 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--log-level", default="INFO")
 
 
+def _fixed_prefill_chunk(args: argparse.Namespace) -> int | None:
+    """--prefill-chunk as rows (None: auto), with --prefill-itl-factor checked against it; SystemExit
+    where either is invalid. Called before the model loads (check_worker_flags) and by batch_limits."""
+    chunk = str(args.prefill_chunk)
+    rows = None if chunk == "auto" else int(chunk) if chunk.isascii() and chunk.isdigit() else -1
+    if rows is not None and rows < 0:
+        raise SystemExit(f"--prefill-chunk must be a number of rows (0: off) or auto, got {chunk!r}")
+    if args.prefill_itl_factor is not None and (not itl_factor_valid(args.prefill_itl_factor)
+                                                or (args.prefill_itl_factor > 0 and rows is not None)):
+        raise SystemExit("--prefill-itl-factor must be 0 (off) or >= 1, and needs --prefill-chunk auto "
+                         "(a measured cost curve)")
+    return rows
+
+
 def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve(), role: str = "target") -> BatchLimits:
     """The scheduler's limits from the worker flags and its startup cost curve. The ITL bound's gap
     relief is the target's alone (BatchLimits.itl_gap_relief)."""
-    chunk = str(args.prefill_chunk)
+    fixed = _fixed_prefill_chunk(args)
     itl_factor = (args.prefill_itl_factor if args.prefill_itl_factor is not None
-                  else DEFAULT_PREFILL_ITL_FACTOR if chunk == "auto" else 0.0)
+                  else DEFAULT_PREFILL_ITL_FACTOR if fixed is None else 0.0)
     curve: tuple[tuple[int, float], ...] = ()  # sizes each forward's prompt budget (auto, measured)
-    if chunk == "auto":
+    if fixed is None:
         rows_curve = cost_curve.rows_curve()
         measured = prefill_chunk_for(rows_curve, args.max_batch, args.max_batch_tokens)
         prefill_chunk = AUTO_PREFILL_CHUNK_FALLBACK if measured is None else measured
@@ -186,13 +200,7 @@ def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve(), 
                      prefill_chunk_within(rows_curve, args.max_batch, itl_limit_ms(rows_curve, 1, itl_factor),
                                           args.max_batch_tokens), args.max_batch)
     else:
-        prefill_chunk = int(chunk) if chunk.isascii() and chunk.isdigit() else -1
-        if prefill_chunk < 0:
-            raise SystemExit(f"--prefill-chunk must be a number of rows (0: off) or auto, got {chunk!r}")
-    if args.prefill_itl_factor is not None and (not itl_factor_valid(args.prefill_itl_factor)
-                                                or (args.prefill_itl_factor > 0 and chunk != "auto")):
-        raise SystemExit("--prefill-itl-factor must be 0 (off) or >= 1, and needs --prefill-chunk auto "
-                         "(a measured cost curve)")
+        prefill_chunk = fixed
     if args.prefill_itl_factor is not None and args.prefill_itl_factor > 0 and not curve:
         log.warning("--prefill-itl-factor %.2f has no effect: no forward of 16 rows or more was measured",
                     args.prefill_itl_factor)
@@ -211,17 +219,10 @@ def check_worker_flags(args: argparse.Namespace) -> None:
         raise SystemExit(f"--calibration-s must be a number of seconds (0 skips), got {args.calibration_s}")
     if not 1 <= args.max_k <= MAX_K:  # a huge one made the calibration run a forward of that many rows
         raise SystemExit(f"--max-k must be in [1, {MAX_K}] (the most drafts a round may verify), got {args.max_k}")
-    if (args.max_batch < 1 or args.max_batch_tokens < 1 or args.max_queue < 0 or not args.batch_window_ms >= 0
-            or (str(args.prefill_chunk) != "auto" and not (str(args.prefill_chunk).isascii()
-                                                          and str(args.prefill_chunk).isdigit()))
-            or (args.prefill_itl_factor is not None and (not itl_factor_valid(args.prefill_itl_factor)
-                                                         or (args.prefill_itl_factor > 0
-                                                             and str(args.prefill_chunk) != "auto")))):
-        raise SystemExit("--max-batch and --max-batch-tokens must be >= 1, --max-queue and --batch-window-ms >= 0, "
-                         "--prefill-chunk a number of rows or auto, --prefill-itl-factor 0 or >= 1 (and > 0 "
-                         "only with --prefill-chunk auto); got "
-                         f"{args.max_batch}, {args.max_batch_tokens}, {args.max_queue}, {args.batch_window_ms}, "
-                         f"{args.prefill_chunk!r}, {args.prefill_itl_factor}")
+    if args.max_batch < 1 or args.max_batch_tokens < 1 or args.max_queue < 0 or not args.batch_window_ms >= 0:
+        raise SystemExit("--max-batch and --max-batch-tokens must be >= 1, --max-queue and --batch-window-ms >= 0; "
+                         f"got {args.max_batch}, {args.max_batch_tokens}, {args.max_queue}, {args.batch_window_ms}")
+    _fixed_prefill_chunk(args)
     from specdec import security
     security.check_tls_flags(args, {"--tls-cert": ("--tls-key",), "--tls-key": ("--tls-cert",),
                                     "--tls-client-ca": ("--tls-cert", "--tls-key")})
