@@ -20,7 +20,7 @@ DEVICE=${DEVICE:-cuda}     # DEVICE=cpu PRESETS=... TARGET=tiny:... DRAFT=tiny:.
 PRESETS=${PRESETS:-qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-1.5b@24,qwen2.5-7b}
 CPU_TARGET=${CPU_TARGET:-tiny:preset=qwen2.5-1.5b,seed=1}   # the embedded pair's shapes, on the host CPU
 CPU_DRAFT=${CPU_DRAFT:-tiny:preset=qwen2.5-0.5b,seed=1}
-STAGES=${STAGES:-attention costs ragged flips loadtest netbench cpu_paths bench}
+STAGES=${STAGES:-attention costs ragged flips loadtest loadtest32 netbench cpu_paths bench}
 START=$(date +%s)
 mkdir -p "$OUT" "$RES"
 
@@ -86,6 +86,11 @@ want flips && stage flips 60 python3 -m specdec.cli flips --model "$TARGET" --de
     --dtypes bfloat16,float32 --k 4 --new-tokens 48 --max-prompts 4 --out "$RES/flips.json"
 want loadtest && stage loadtest 170 python3 -m specdec.cli loadtest --sweep 1,2,4,8 --target "$TARGET" --draft "$DRAFT" \
     --requests-per-stream 2 --max-new-tokens 64 --worker-args "--calibration-s 8" --out "$RES/loadtest"
+# The exact mode under batching on the GPU (issue 17, item 3): float32 on both workers (the packed
+# flash kernel has no float32, so attention runs per session), 1 and 8 streams: "differs from alone"
+# says whether batched forwards flip any greedy output where bf16's near-ties are out of the way.
+want loadtest32 && stage loadtest32 150 python3 -m specdec.cli loadtest --sweep 1,8 --target "$TARGET" --draft "$DRAFT" \
+    --requests-per-stream 2 --max-new-tokens 64 --worker-args "--calibration-s 8 --dtype float32" --out "$RES/loadtest32"
 want netbench && stage netbench 150 python3 -m specdec.cli netbench --target "$TARGET" --draft "$DRAFT" --latencies-ms 0,10 \
     --max-prompts 3 --max-new-tokens 48 --systems 'pipelined$' --threads 4 --target-cpus 0-7 --draft-cpus 8-15 \
     --calibration-s 5 --out "$RES/netbench"
