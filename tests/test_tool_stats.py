@@ -89,8 +89,8 @@ async def test_sweep_runs_each_prompt_equally_often_at_every_level() -> None:
     levels, references = await sweep_on(stub, prompts, [1, 2, 4, 8], per_stream, 3, 5.0, repeats=2)
     assert stub.calls[:8] == list(range(8)) and sorted(references) == list(range(8))  # the references
     calls = stub.calls[8:]
-    assert [(lv.mode[0], lv.streams, lv.repeat) for lv in levels][:4] == [  # ABBA kept
-        ("s", 1, 0), ("t", 1, 0), ("t", 1, 1), ("s", 1, 1)]
+    assert [(lv.mode[0], lv.streams, lv.repeat) for lv in levels][:8] == [  # ABBA kept, flipped per level
+        ("s", 1, 0), ("t", 1, 0), ("t", 1, 1), ("s", 1, 1), ("t", 2, 0), ("s", 2, 0), ("s", 2, 1), ("t", 2, 1)]
     shares = set()
     for lv in levels:
         served, calls = calls[:lv.requests], calls[lv.requests:]  # the blocks ran one after another
@@ -114,6 +114,8 @@ async def test_sweep_with_one_count_keeps_it_at_every_level() -> None:
     levels, _ = await sweep_on(stub, prompts, [1, 2], 1, 3, 5.0)
     assert [(lv.streams, lv.requests, lv.prompts_run) for lv in levels] == [
         (1, 1, [0]), (1, 1, [0]), (2, 2, [0, 1]), (2, 2, [0, 1])]
+    # One repeat: the mode that runs first alternates per level (not speculation first everywhere).
+    assert [lv.mode for lv in levels] == ["speculative", "target-only", "target-only", "speculative"]
 
 
 def _block(mode: str, streams: int, tokens: int, wall_s: float, per_stream: int = 2) -> Level:

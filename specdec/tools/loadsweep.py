@@ -6,7 +6,10 @@ for which N x R_N is a multiple of the prompt count, so that every level runs ea
 often and "x one stream" compares the same mix of prompts), with the server's default k policy and with
 k = 0 (target-only) through the same services. With `--repeats R` the two modes alternate R times per
 level in ABBA order (spec, target-only, target-only, spec, ...), so a drift of the machine's speed over
-the run falls on both modes alike; the report gives each repeat's ratio and their spread. Reports per
+the run falls on both modes alike; the report gives each repeat's ratio and their spread. The order
+also flips from one level to the next (AB at 1 stream, BA at 2, ...), so that with one repeat neither
+mode always takes the first block after a change of load (the reference runs are target-only, so
+the first block of the sweep is the draft's first use: its warm-up falls there). Reports per
 level: aggregate tok/s, p50 and p99 inter-token latency per chunk (the gap a client waits between two
 messages of a stream; a speculative round's tokens come in one message, so its gap counts once, as
 vLLM's benchmark counts it), beside it the same gaps spread over the tokens each chunk carried (per
@@ -108,6 +111,13 @@ async def sweep(address: str, prompts: list[list[int]], levels: list[int], reque
                               max_new, timeout_s, repeats)
 
 
+def block_order(level_index: int, repeat: int) -> tuple[tuple[str, int | None], ...]:
+    """The two modes' blocks (name, fixed k) in the order they run: ABBA over the repeats of a
+    level, and flipped at every other level."""
+    modes: tuple[tuple[str, int | None], ...] = (("speculative", None), ("target-only", 0))
+    return modes if (level_index + repeat) % 2 == 0 else modes[::-1]
+
+
 async def sweep_on(stub: Any, prompts: list[list[int]], levels: list[int],
                    requests_per_stream: int | Mapping[int, int], max_new: int, timeout_s: float,
                    repeats: int = 1) -> tuple[list[Level], dict[int, list[int]]]:
@@ -120,11 +130,10 @@ async def sweep_on(stub: Any, prompts: list[list[int]], levels: list[int],
     for i, prompt in enumerate(prompts):  # each prompt alone, target-only: what identity means
         references[i] = await _one(stub, prompt, max_new, 0, timeout_s, alone)
     results = []
-    for streams in levels:
+    for level_index, streams in enumerate(levels):
         plan = prompt_plan(streams, per_level[streams], len(prompts))
         for repeat in range(repeats):
-            modes = (("speculative", None), ("target-only", 0))
-            for mode, fixed_k in (modes if repeat % 2 == 0 else modes[::-1]):  # ABBA
+            for mode, fixed_k in block_order(level_index, repeat):
                 level = Level(mode, streams, repeat, requests_per_stream=per_level[streams])
 
                 async def stream(s: int, level: Level = level, fixed_k: int | None = fixed_k) -> None:
