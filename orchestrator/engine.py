@@ -109,8 +109,9 @@ class GenerationEngine:
                 raise InvalidRequest(f"{len(params.messages)} messages; the limit is {self.limits.max_messages}")
         if params.session_id is not None:
             validate_session_id(params.session_id)
-        if params.max_new_tokens <= 0:
-            raise InvalidRequest("max_new_tokens must be > 0")
+        # 0 (unset): as many as the context and --max-new-tokens-limit allow (_run_turn).
+        if params.max_new_tokens < 0:
+            raise InvalidRequest("max_new_tokens must be >= 0")
         if params.max_new_tokens > self.limits.max_new_tokens:
             raise InvalidRequest(f"max_new_tokens={params.max_new_tokens} is above the limit of {self.limits.max_new_tokens}")
         if len(params.stop) > self.limits.max_stop_strings:
@@ -281,12 +282,16 @@ class GenerationEngine:
         session.tokens = await self._input_tokens(session, params)
         prompt_len = len(session.tokens)
         context = self.target_info.max_context
-        if prompt_len + params.max_new_tokens > context:
-            raise InvalidRequest(f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                                 f"exceeds the model context of {context}")
+        if prompt_len + max(params.max_new_tokens, 1) > context:
+            asked = f"max_new_tokens ({params.max_new_tokens})" if params.max_new_tokens else "one new token"
+            raise InvalidRequest(f"prompt ({prompt_len} tokens) + {asked} exceeds the model context of {context}")
+        # An explicit max_new_tokens that does not fit is refused above (as OpenAI-style servers do);
+        # unset, the turn runs until EOS, a stop string, the service's limit ("length") or a full
+        # context window ("context").
+        max_new_tokens = params.max_new_tokens or self.limits.max_new_tokens
         spec = replace(spec, pipeline_branches=min(spec.pipeline_branches, self.draft_branch_slots))
         policy = spec.make_policy()  # (the policy counts only branches the draft can run)
-        stop = StopConditions.for_turn(self.target_info.eos_token_ids, params.max_new_tokens, context - prompt_len,
+        stop = StopConditions.for_turn(self.target_info.eos_token_ids, max_new_tokens, context - prompt_len,
                                        params.stop, self.tokenizer.decode, prompt=session.tokens)
         round_ = Round(self.workers, session, SamplingConfig(params.temperature, params.top_k, params.top_p, seed),
                        deadline, stop, spec.min_draft_prob, policy.name, pipeline=spec.pipeline, max_k=spec.max_k,

@@ -5,6 +5,7 @@ import grpc
 import pytest
 import torch
 
+from orchestrator.api import EngineLimits
 from orchestrator.config import SpeculationConfig
 from specdec.v1 import orchestrator_pb2
 from tests.stack import cached_model, start_stack
@@ -36,6 +37,30 @@ async def test_greedy_is_token_identical_to_target_alone(draft_ref: str, specula
             assert reply.stats.new_tokens == len(want)
             if "fixed_k" in speculation:
                 assert reply.stats.draft_tokens > 0
+    finally:
+        await stack.close()
+
+
+async def test_unset_max_new_tokens_runs_to_the_context_window_or_the_server_limit() -> None:
+    """max_new_tokens unset (0): the turn fills what the context window has left (FINISH_REASON_CONTEXT)
+    or stops at --max-new-tokens-limit (FINISH_REASON_LENGTH), with the target's own tokens; a set
+    count that does not fit, or a prompt that leaves no room, is refused."""
+    limit = 6
+    stack = await start_stack(engine_limits=EngineLimits(max_new_tokens=limit))
+    try:
+        context = cached_model("tiny:seed=0").max_context
+        long_prompt = [3 + (i * 7919) % 250 for i in range(context - 4)]  # 4 tokens of room; no EOS (257)
+        reply = await stack.generate(prompt_ids=long_prompt, speculation={"fixed_k": 3})
+        assert list(reply.token_ids) == reference_greedy(long_prompt, 4)
+        assert reply.finish_reason == orchestrator_pb2.FINISH_REASON_CONTEXT and reply.stats.new_tokens == 4
+        short = await stack.generate(prompt_ids=PROMPTS[0], speculation={"fixed_k": 3})
+        assert list(short.token_ids) == reference_greedy(PROMPTS[0], limit)
+        assert short.finish_reason == orchestrator_pb2.FINISH_REASON_LENGTH
+        for fields, message in ((dict(prompt_ids=long_prompt, max_new_tokens=5), "max_new_tokens (5) exceeds"),
+                                (dict(prompt_ids=long_prompt + [5] * 4), "one new token exceeds")):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stack.generate(**fields)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
     finally:
         await stack.close()
 
