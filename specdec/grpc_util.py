@@ -165,6 +165,13 @@ def delayed_call(call: Callable[[Any, Any], Awaitable[Any]], ms: float) -> Calla
     return wait_then_call
 
 
+def host_port(host: str, port: int) -> str:
+    """"host:port" for gRPC, an IPv6 literal in brackets ("[::]:50051"; ":::50051" binds nothing)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
 async def start_server(register: Callable[[grpc.aio.Server], None], service_names: list[str],
                        host: str = "127.0.0.1", port: int = 0,
                        credentials: grpc.ServerCredentials | None = None,
@@ -177,7 +184,7 @@ async def start_server(register: Callable[[grpc.aio.Server], None], service_name
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = f"{host}:{port}"
+    address = host_port(host, port)
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"could not bind {address}")
@@ -186,10 +193,10 @@ async def start_server(register: Callable[[grpc.aio.Server], None], service_name
     if health_port is not None:
         handle.health_server = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, handle.health_server)
-        handle.health_port = handle.health_server.add_insecure_port(f"{host}:{health_port}")
+        handle.health_port = handle.health_server.add_insecure_port(host_port(host, health_port))
         if handle.health_port == 0:
             await server.stop(0)
-            raise RuntimeError(f"could not bind the health port {host}:{health_port}")
+            raise RuntimeError(f"could not bind the health port {host_port(host, health_port)}")
         await handle.health_server.start()
     await handle.set_serving(True)
     return handle

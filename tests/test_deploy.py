@@ -562,3 +562,41 @@ async def test_a_plaintext_health_port_answers_kubelets_probes_beside_an_mtls_ap
         await handle.stop(grace_s=0.1)
     with pytest.raises(grpc.aio.AioRpcError):
         await check(handle.health_port)
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_host_port_brackets_ipv6_literals() -> None:
+    from specdec.grpc_util import host_port
+    assert host_port("0.0.0.0", 50051) == "0.0.0.0:50051"
+    assert host_port("::", 50051) == "[::]:50051"  # ":::50051" bound nothing: --host :: failed
+    assert host_port("[::1]", 0) == "[::1]:0"
+    assert host_port("worker.svc", 7) == "worker.svc:7"
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback to bind")
+async def test_servers_bind_an_ipv6_host() -> None:
+    """--host :: (dual-stack clusters) or ::1: the API, the plaintext health port and /metrics bind it."""
+    from prometheus_client import CollectorRegistry
+
+    from specdec import grpc_util
+    from specdec.metrics import serve_metrics
+    handle = await grpc_util.start_server(lambda server: None, ["specdec.v1.TargetWorker"], host="::1", health_port=0)
+    try:
+        for port in (handle.port, handle.health_port):
+            async with grpc.aio.insecure_channel(f"[::1]:{port}") as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await handle.stop(grace_s=0.1)
+    port = serve_metrics(0, CollectorRegistry(), "::1")
+    with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=5) as reply:
+        assert reply.status == 200
