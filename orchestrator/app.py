@@ -241,6 +241,12 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
                                     "--worker-client-cert": ("--worker-client-key", "--worker-ca"),
                                     "--worker-client-key": ("--worker-client-cert", "--worker-ca"),
                                     "--worker-server-name": ("--worker-ca",)})
+    security.check_tls_files((args.tls_cert, args.tls_key, None),
+                             (args.worker_ca, args.worker_client_cert, args.worker_client_key))
+    try:
+        auth_tokens = tuple(security.load_tokens(args.auth_token_file)) if args.auth_token_file else ()
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--auth-token-file: {exc}") from None
     if args.auth_token_file and not args.tls_cert:  # allowed: TLS may end at a mesh sidecar in front
         log.warning("--auth-token-file without --tls-cert/--tls-key: bearer tokens arrive in plaintext "
                     "unless a proxy in front of this port terminates TLS")
@@ -257,7 +263,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
     return OrchestratorConfig(args.draft, args.target, args.tokenizer, spec, limits, args.max_concurrent,
                               args.max_queue, args.rate_per_s, args.host, args.port, trace_file=args.trace_file,
                               tls_cert=args.tls_cert, tls_key=args.tls_key,
-                              auth_tokens=tuple(security.load_tokens(args.auth_token_file)) if args.auth_token_file else (),
+                              auth_tokens=auth_tokens,
                               worker_ca=args.worker_ca, worker_client_cert=args.worker_client_cert,
                               worker_client_key=args.worker_client_key, worker_server_name=args.worker_server_name,
                               metrics_port=args.metrics_port, discovery_refresh_s=args.discovery_refresh_s,

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
+import os
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -31,10 +35,133 @@ def check_tls_flags(args: Any, needs: dict[str, tuple[str, ...]]) -> None:
                              "without TLS)")
 
 
+class TlsFilesError(ValueError):
+    """A certificate, key or CA file that is missing, unreadable, not PEM, or a key not of the certificate."""
+
+
+def _pem(path: str, what: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise TlsFilesError(f"{what} {path}: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in data:
+        raise TlsFilesError(f"{what} {path}: not a PEM file")
+    return data
+
+
+def check_key_pair(cert: str, key: str) -> None:
+    """The key is the certificate's (grpc would only find out at the first handshake, and fail it)."""
+    import ssl
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        raise TlsFilesError(f"--tls-cert {cert} / --tls-key {key}: {exc}") from None
+
+
+def check_ca(path: str, flag: str) -> None:
+    import ssl
+    _pem(path, flag)
+    try:
+        ssl.create_default_context(cafile=path)
+    except (ssl.SSLError, OSError) as exc:
+        raise TlsFilesError(f"{flag} {path}: {exc}") from None
+
+
+class ServerCertificateFiles:
+    """The server's certificate, key and (mTLS) client CA as files that may be replaced while it runs
+    (cert-manager, a Kubernetes secret's atomic symlink swap): grpc asks before every new connection's
+    handshake, and gets a new configuration once the files' stat signature has changed and the new
+    set loads and matches; a half-written or mismatched set is logged and the current one kept.
+    Connections already open keep the certificate they began with."""
+
+    def __init__(self, cert: str, key: str, client_ca: str | None = None, check_interval_s: float = 1.0) -> None:
+        self.paths = tuple(p for p in (cert, key, client_ca) if p)
+        self.cert, self.key, self.client_ca = cert, key, client_ca
+        self.check_interval_s = check_interval_s
+        self._lock = threading.Lock()
+        self._checked_at = -math.inf
+        self._signature = self._stat()
+        self._refused: tuple | None = None
+        self.reloads = 0
+        self.initial = self._load()  # raises TlsFilesError: a service must not start on bad files
+
+    def _stat(self) -> tuple:
+        out = []
+        for path in self.paths:
+            try:
+                st = os.stat(path)
+                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def _load(self) -> grpc.ServerCertificateConfiguration:
+        before = [_pem(self.cert, "--tls-cert"), _pem(self.key, "--tls-key")]
+        check_key_pair(self.cert, self.key)
+        ca = None
+        if self.client_ca:
+            check_ca(self.client_ca, "--tls-client-ca")
+            ca = _pem(self.client_ca, "--tls-client-ca")
+        # Read again after the check: the pair handed to grpc is the one checked, not one written in between.
+        if [_pem(self.cert, "--tls-cert"), _pem(self.key, "--tls-key")] != before:
+            raise TlsFilesError("the certificate or key changed while being read")
+        return grpc.ssl_server_certificate_configuration([(before[1], before[0])], root_certificates=ca)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """grpc's certificate_configuration_fetcher: a new configuration, or None to keep the current."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._checked_at < self.check_interval_s:
+                return None
+            self._checked_at = now
+            signature = self._stat()
+            if signature == self._signature or signature == self._refused:
+                return None
+            try:
+                config = self._load()
+            except TlsFilesError as exc:
+                self._refused = signature  # logged once per version of the files, retried when they change
+                log.warning("TLS files changed but are not usable (%s); keeping the current certificate", exc)
+                return None
+            self._signature, self._refused = signature, None
+            self.reloads += 1
+            log.info("TLS certificate reloaded from %s", ", ".join(self.paths))
+            return config
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(self.initial, self.fetch,
+                                                   require_client_authentication=self.client_ca is not None)
+
+
 def server_credentials(cert: str, key: str, client_ca: str | None = None) -> grpc.ServerCredentials:
-    """TLS; with client_ca, clients must present a certificate signed by it (mTLS)."""
-    return grpc.ssl_server_credentials([(_read(key), _read(cert))], root_certificates=_read(client_ca),
-                                       require_client_auth=client_ca is not None)
+    """TLS; with client_ca, clients must present a certificate signed by it (mTLS). The files are read
+    and checked now (TlsFilesError) and re-read when they change (ServerCertificateFiles). One per
+    server: grpc hands a dynamic credential's initial certificate to the first server bound with it."""
+    return ServerCertificateFiles(cert, key, client_ca).credentials()
+
+
+def check_tls_files(server: tuple[str | None, str | None, str | None] = (None, None, None),
+                    client: tuple[str | None, str | None, str | None] = (None, None, None)) -> None:
+    """At startup, before anything slow: SystemExit with the reason if a given TLS file is missing,
+    unreadable, not PEM, or a key not of its certificate. server: (cert, key, client CA); client:
+    (CA, cert, key) for the orchestrator's channels to the workers."""
+    try:
+        cert, key, client_ca = server
+        if cert and key:
+            ServerCertificateFiles(cert, key, client_ca)
+        ca, client_cert, client_key = client
+        if ca:
+            check_ca(ca, "--worker-ca")
+        if client_cert and client_key:
+            _pem(client_cert, "--worker-client-cert")
+            _pem(client_key, "--worker-client-key")
+            try:
+                check_key_pair(client_cert, client_key)
+            except TlsFilesError as exc:
+                raise TlsFilesError(str(exc).replace("--tls-cert", "--worker-client-cert")
+                                    .replace("--tls-key", "--worker-client-key")) from None
+    except TlsFilesError as exc:
+        raise SystemExit(f"TLS: {exc}") from None
 
 
 def channel_credentials(ca: str | None, cert: str | None = None, key: str | None = None) -> grpc.ChannelCredentials:

@@ -238,6 +238,13 @@ async def serve_worker(args: argparse.Namespace, role: str,
                        register: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
     from specdec.models import load_model, reduced_copy_kinds, resolve_device, resolve_dtype, set_torch_threads
     check_worker_flags(args)
+    credentials = None
+    if args.tls_cert and args.tls_key:  # read and checked before the model loads: a bad path fails in a second
+        from specdec import security
+        try:
+            credentials = security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+        except security.TlsFilesError as exc:
+            raise SystemExit(f"TLS: {exc}") from None
     set_torch_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, role, device)
@@ -247,10 +254,6 @@ async def serve_worker(args: argparse.Namespace, role: str,
     await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s, args.gemm_path,
                             reduced_copy_kinds(args.dtype, role, device, int4=args.int4 == "auto"))
     servicer = make_servicer(core, batch_limits(args, core.cost_curve, role))
-    credentials = None
-    if args.tls_cert and args.tls_key:
-        from specdec import security
-        credentials = security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     handle = await grpc_util.start_server(lambda server: register(servicer, server), [service_name],
                                           host=args.host, port=args.port, credentials=credentials,
                                           health_port=args.health_port)

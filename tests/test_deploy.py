@@ -363,9 +363,10 @@ def make_pki(tmp: Path) -> dict[str, str]:
 
 async def test_tls_public_api_mtls_workers_and_bearer_auth(tmp_path: Path) -> None:
     pki = make_pki(tmp_path)
-    worker_creds = security.server_credentials(pki["server_cert"], pki["server_key"], client_ca=pki["ca"])
-    draft = await start_worker("draft", "tiny:seed=0", credentials=worker_creds)
-    target = await start_worker("target", "tiny:seed=0", credentials=worker_creds)
+    def worker_creds() -> grpc.ServerCredentials:  # one per server: grpc hands the initial certificate to one only
+        return security.server_credentials(pki["server_cert"], pki["server_key"], client_ca=pki["ca"])
+    draft = await start_worker("draft", "tiny:seed=0", credentials=worker_creds())
+    target = await start_worker("target", "tiny:seed=0", credentials=worker_creds())
     cfg = OrchestratorConfig(f"127.0.0.1:{draft[0].port}", f"127.0.0.1:{target[0].port}", "tiny:seed=0",
                              tls_cert=pki["server_cert"], tls_key=pki["server_key"], auth_tokens=("s3cret",),
                              worker_ca=pki["ca"], worker_client_cert=pki["client_cert"],
@@ -600,3 +601,76 @@ async def test_servers_bind_an_ipv6_host() -> None:
     port = serve_metrics(0, CollectorRegistry(), "::1")
     with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=5) as reply:
         assert reply.status == 200
+
+
+def _install(files: dict[str, str], live: Path) -> None:
+    """Replace the live files by rename, as a Kubernetes secret volume's symlink swap does."""
+    for name, source in files.items():
+        tmp = live / f".{name}.tmp"
+        tmp.write_bytes(Path(source).read_bytes())
+        tmp.replace(live / name)
+
+
+async def test_a_rotated_server_certificate_is_served_to_new_connections_without_a_restart(tmp_path: Path,
+                                                                                           caplog) -> None:
+    """cert-manager renews a certificate by replacing the secret's files: new connections get the new
+    one; a half-replaced set (a key not of its certificate) is refused with a warning and the
+    current one kept."""
+    from specdec import grpc_util
+    for name in ("old", "new", "live"):
+        (tmp_path / name).mkdir()
+    old, new, live = make_pki(tmp_path / "old"), make_pki(tmp_path / "new"), tmp_path / "live"
+    _install({"tls.crt": old["server_cert"], "tls.key": old["server_key"]}, live)
+    files = security.ServerCertificateFiles(str(live / "tls.crt"), str(live / "tls.key"), check_interval_s=0.0)
+    handle = await grpc_util.start_server(lambda server: None, ["specdec.v1.TargetWorker"],
+                                          credentials=files.credentials())
+
+    async def serving(pki: dict[str, str]) -> bool:
+        creds = security.channel_credentials(pki["ca"])
+        async with grpc.aio.secure_channel(f"127.0.0.1:{handle.port}", creds) as channel:  # a new connection
+            try:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                return True
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                return False
+    try:
+        assert await serving(old) and not await serving(new)
+        _install({"tls.crt": new["server_cert"]}, live)  # half-way: the new certificate, the old key
+        with caplog.at_level("WARNING", logger="specdec.security"):
+            assert await serving(old) and not await serving(new)
+        assert "not usable" in caplog.text and files.reloads == 0
+        _install({"tls.key": new["server_key"]}, live)
+        assert await serving(new) and not await serving(old)
+        assert files.reloads == 1
+    finally:
+        await handle.stop(grace_s=0.1)
+
+
+def test_bad_tls_files_stop_a_service_at_startup_with_the_reason(tmp_path: Path) -> None:
+    """Checked before a worker loads its model (minutes for a large one): a wrong path, a file that
+    is not PEM, or a key of another certificate, each named."""
+    import argparse
+
+    from orchestrator.app import add_args, config_from_args
+    (tmp_path / "o").mkdir()
+    pki, other = make_pki(tmp_path), make_pki(tmp_path / "o")
+    (tmp_path / "junk.pem").write_text("not a certificate")
+    security.check_tls_files((pki["server_cert"], pki["server_key"], pki["ca"]),
+                             (pki["ca"], pki["client_cert"], pki["client_key"]))  # a good set passes
+    for server, client, match in (
+            ((str(tmp_path / "nope.pem"), pki["server_key"], None), (None, None, None), "--tls-cert .*nope.pem"),
+            ((str(tmp_path / "junk.pem"), pki["server_key"], None), (None, None, None), "not a PEM file"),
+            ((pki["server_cert"], other["server_key"], None), (None, None, None), "--tls-key"),
+            ((pki["server_cert"], pki["server_key"], str(tmp_path / "junk.pem")), (None, None, None), "--tls-client-ca"),
+            ((None, None, None), (str(tmp_path / "nope.pem"), None, None), "--worker-ca"),
+            ((None, None, None), (pki["ca"], pki["client_cert"], other["client_key"]), "--worker-client-key")):
+        with pytest.raises(SystemExit, match=match):
+            security.check_tls_files(server, client)
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    base = ["--draft", "127.0.0.1:1", "--target", "127.0.0.1:2"]
+    for flags, match in ((["--tls-cert", pki["server_cert"], "--tls-key", other["server_key"]], "TLS: --tls-cert"),
+                         (["--auth-token-file", str(tmp_path / "none.txt")], "--auth-token-file")):
+        with pytest.raises(SystemExit, match=match):
+            config_from_args(parser.parse_args(base + flags))
