@@ -21,10 +21,17 @@ COMMANDS = {
 
 
 def generate_main(argv: list[str]) -> None:
-    from specdec.tools.client import build_request, format_stats, stream_generate
+    import grpc
+
+    from specdec.tools.client import build_request, connection, format_stats, stream_generate
     parser = argparse.ArgumentParser(prog="specdec generate")
     parser.add_argument("prompt")
     parser.add_argument("--address", default="127.0.0.1:50051")
+    parser.add_argument("--tls", action="store_true", help="TLS, the server checked against the system's roots")
+    parser.add_argument("--tls-ca", help="TLS, the server's certificate checked against this CA (PEM)")
+    parser.add_argument("--tls-server-name", help="the name the server's certificate carries (when --address is an IP)")
+    parser.add_argument("--auth-token-file", help="send its first token as `authorization: Bearer ...` "
+                                                  "(default: $SPECDEC_AUTH_TOKEN, if set)")
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     parser.add_argument("--session-id")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -41,7 +48,14 @@ def generate_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     req = build_request(args.prompt, args.chat, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                         args.seed, args.session_id, args.stop, args.policy, args.fixed_k, args.min_k, args.max_k)
-    stats = asyncio.run(stream_generate(args.address, req, timeout_s=args.timeout_s))
+    try:
+        via = connection(args.tls, args.tls_ca, args.tls_server_name, args.auth_token_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"specdec generate: {exc}") from None
+    try:
+        stats = asyncio.run(stream_generate(args.address, req, timeout_s=args.timeout_s, via=via))
+    except grpc.aio.AioRpcError as err:  # the status, not a traceback
+        raise SystemExit(f"\nspecdec generate: {err.code().name}: {err.details()}") from None
     print(format_stats(stats), file=sys.stderr)
 
 

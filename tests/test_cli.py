@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -43,7 +45,6 @@ def test_a_service_that_died_during_the_run_keeps_the_logs() -> None:
 def test_each_command_help_names_its_command(capsys) -> None:
     """`specdec X --help` shows `usage: specdec X`, the line a user copies (fetch-models printed
     `usage: specdec [-h] ...`, which does not run)."""
-    import pytest
 
     from specdec.cli import COMMANDS, main
     for command in COMMANDS:
@@ -85,3 +86,12 @@ def test_startup_progress_into_a_file_is_a_line_per_change_of_state() -> None:
     terminal = Terminal()
     wait_ready([SlowService()], timeout_s=30, out=terminal)
     assert terminal.getvalue().count("\r") == 3 and terminal.getvalue().endswith("\n")
+
+
+def test_generate_reports_a_failed_call_by_its_status_not_a_traceback(tmp_path: Path) -> None:
+    from specdec.cli import generate_main
+    with pytest.raises(SystemExit, match="UNAVAILABLE"):  # nothing listens on port 1
+        generate_main(["hi", "--address", "127.0.0.1:1", "--timeout-s", "5"])
+    with pytest.raises(SystemExit, match="no tokens"):
+        (tmp_path / "empty").write_text("# none\n")
+        generate_main(["hi", "--auth-token-file", str(tmp_path / "empty")])

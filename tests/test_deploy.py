@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import io
 import ipaddress
 import re
 import urllib.request
@@ -390,6 +391,21 @@ async def test_tls_public_api_mtls_workers_and_bearer_auth(tmp_path: Path) -> No
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+        # `specdec generate --tls-ca ... --auth-token-file ...`: the client's side of the same.
+        from specdec.tools import client
+        token_file = tmp_path / "token"
+        token_file.write_text("# the client sends the first\ns3cret\nolder\n")
+        via = client.connection(tls_ca=pki["ca"], tls_server_name="localhost", auth_token_file=str(token_file),
+                                environ={})
+        out = io.StringIO()
+        stats = await client.stream_generate(f"127.0.0.1:{handle.port}", request(prompt_ids=[1, 2, 3], max_new_tokens=8),
+                                             out=out, timeout_s=30, via=via)
+        assert stats.new_tokens == 8 and "FINISH_REASON_LENGTH" in out.getvalue()
+        assert client.connection(tls_ca=pki["ca"], environ={"SPECDEC_AUTH_TOKEN": "s3cret"}).token == "s3cret"
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # TLS without the token
+            await client.stream_generate(f"localhost:{handle.port}", request(prompt_ids=[1], max_new_tokens=2),
+                                         out=io.StringIO(), timeout_s=10, via=client.connection(tls_ca=pki["ca"], environ={}))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # Plaintext to the TLS API fails; a worker refuses a client without a certificate (mTLS).
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as plain:
             with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -1,7 +1,10 @@
 """Client helpers: build a GenerateRequest, stream it, format the stats (used by the CLI and the demo)."""
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TextIO
 
 import grpc
@@ -37,12 +40,46 @@ def build_request(prompt: str | None = None, chat: bool = False, max_new_tokens:
     return req
 
 
+@dataclass(frozen=True)
+class Connection:
+    """How to reach an orchestrator: plaintext, or TLS (credentials, and the name its certificate
+    must carry where the address is an IP), and the bearer token its --auth-token-file expects."""
+    credentials: grpc.ChannelCredentials | None = None
+    server_name: str | None = None
+    token: str | None = None
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(address)
+        options = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return grpc.aio.secure_channel(address, self.credentials, options=options)
+
+
+def connection(tls: bool = False, tls_ca: str | None = None, tls_server_name: str | None = None,
+               auth_token_file: str | None = None, environ: Mapping[str, str] = os.environ) -> Connection:
+    """From the client's flags: TLS with the system's roots (`tls`) or a CA file (`tls_ca`); the token
+    from the file's first token line, else $SPECDEC_AUTH_TOKEN (never a flag: argv shows in `ps`)."""
+    from specdec import security
+    credentials = None
+    if tls or tls_ca:
+        credentials = security.channel_credentials(tls_ca)
+    token = environ.get("SPECDEC_AUTH_TOKEN") or None
+    if auth_token_file:
+        token = security.load_tokens(auth_token_file)[0]
+    return Connection(credentials, tls_server_name, token)
+
+
 async def stream_generate(address: str, request: orchestrator_pb2.GenerateRequest, out: TextIO = sys.stdout,
-                          timeout_s: float | None = None) -> orchestrator_pb2.GenerationStats:
-    async with grpc.aio.insecure_channel(address) as channel:
+                          timeout_s: float | None = None, via: Connection = Connection()
+                          ) -> orchestrator_pb2.GenerationStats:
+    async with via.channel(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         stats = orchestrator_pb2.GenerationStats()
-        async for chunk in stub.GenerateStream(request, timeout=timeout_s):
+        async for chunk in stub.GenerateStream(request, timeout=timeout_s, metadata=via.metadata or None):
             out.write(chunk.text_delta)
             out.flush()
             if chunk.HasField("stats"):
