@@ -63,12 +63,16 @@ def measure(ref: str, device_name: str, context: int, reps: int) -> dict:
     position = torch.tensor([context], device=device)
     position_ids = position.view(1, 1)
 
-    def static_step() -> torch.Tensor:
-        # Writes position `context` again each time: the same step. position_ids given, as a
-        # StaticCache's length grows with every call (transformers 5) and would move the rotary.
+    def rewind() -> None:
+        # transformers 5's StaticCache writes at a per-layer device counter that each update advances
+        # (a captured graph advances it too): set back to `context`, so every step writes the same slot.
+        for layer in static.layers:
+            layer.cumulative_length.fill_(context)
+
+    def static_step() -> torch.Tensor:  # the same step each time (rewound after it, untimed)
         return model(input_ids=token, past_key_values=static, cache_position=position, position_ids=position_ids,
                      use_cache=True).logits
-    out["static_ms"], out["static_token"] = timed(static_step, reps, device)
+    out["static_ms"], out["static_token"] = timed(static_step, reps, device, rewind)
 
     if device.type == "cuda":
         try:
@@ -77,15 +81,17 @@ def measure(ref: str, device_name: str, context: int, reps: int) -> dict:
             with torch.cuda.stream(side):  # warm-up off the capture stream, as torch's docs ask
                 for _ in range(3):
                     static_step()
+                    rewind()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 captured = static_step()
+            rewind()
 
             def replay() -> torch.Tensor:
                 graph.replay()
                 return captured
-            out["graph_ms"], out["graph_token"] = timed(replay, reps, device)
+            out["graph_ms"], out["graph_token"] = timed(replay, reps, device, rewind)
         except Exception as exc:  # a host sync inside the forward, an op capture refuses: say which
             out["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     return out
