@@ -20,7 +20,7 @@ DEVICE=${DEVICE:-cuda}     # DEVICE=cpu PRESETS=... TARGET=tiny:... DRAFT=tiny:.
 PRESETS=${PRESETS:-qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-1.5b@24,qwen2.5-7b}
 CPU_TARGET=${CPU_TARGET:-tiny:preset=qwen2.5-1.5b,seed=1}   # the embedded pair's shapes, on the host CPU
 CPU_DRAFT=${CPU_DRAFT:-tiny:preset=qwen2.5-0.5b,seed=1}
-STAGES=${STAGES:-attention costs ragged graphs flips loadtest loadtest32 netbench cpu_paths bench}
+STAGES=${STAGES:-attention costs ragged flips loadtest loadtest32 netbench cpu_paths bench}
 START=$(date +%s)
 mkdir -p "$OUT" "$RES"
 
@@ -82,10 +82,6 @@ want costs && stage costs 120 python3 scripts/gpu_costs.py --device "$DEVICE" --
     --bandwidth-tbs "$BW" --pair "$TARGET|$DRAFT"
 want ragged && stage ragged 60 python3 scripts/ragged_steps.py --model "$TARGET" --device "$DEVICE" \
     --out "$RES/ragged.json"
-# What CUDA-graph capture would take off an eager decode step, and the cost ratio c it would leave
-# (a projection: the workers run eager steps), the target, the draft and the real 0.5B draft's shape.
-want graphs && stage graphs 100 python3 scripts/graph_steps.py --device "$DEVICE" \
-    --models "$TARGET|$DRAFT|tiny:preset=qwen2.5-0.5b,seed=1" --out "$RES/graphs.json"
 want flips && stage flips 60 python3 -m specdec.cli flips --model "$TARGET" --device "$DEVICE" \
     --dtypes bfloat16,float32 --k 4 --new-tokens 48 --max-prompts 4 --out "$RES/flips.json"
 want loadtest && stage loadtest 170 python3 -m specdec.cli loadtest --sweep 1,2,4,8 --target "$TARGET" --draft "$DRAFT" \
