@@ -980,3 +980,31 @@ def test_a_cropped_cache_counts_the_memory_it_still_holds() -> None:
     assert cache_nbytes(cache) == full  # still held
     model(input_ids=torch.tensor([[7]]), past_key_values=cache, use_cache=True)
     assert cache_nbytes(cache) == full * 13 // 20  # the concatenation copied 13 positions; the rest freed
+
+
+async def test_pre_drafts_stay_inside_a_shorter_draft_context(caplog: pytest.LogCaptureFixture) -> None:
+    """A draft whose context is shorter than the target's: the round's k stops at it (the engine), and
+    the pre-drafts and branches that run ahead of the canonical tokens stop there too (the draft
+    worker clamps k to its context: no refusal, no warning). Past its end the turn runs target-only,
+    token-identical."""
+    draft_context = 64
+    stack = await start_stack(draft_ref=f"tiny:seed=0,max_positions={draft_context}",
+                              speculation=SpeculationConfig(pipeline=True, pipeline_branches=2))
+    prompt = list(range(3, 3 + 42))  # rounds of 5 tokens reach 62: k = 2 there, and a pre-draft from 64
+    positions: list[int] = []  # how far into its context each draft forward reached
+
+    def record(module: object, args: tuple, kwargs: dict) -> None:
+        ids, past = kwargs.get("input_ids"), kwargs.get("past_key_values")
+        if ids is not None and past is not None:
+            positions.append(past.get_seq_length() + ids.shape[-1])
+    hook = stack.draft.core.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with caplog.at_level("WARNING", logger="orchestrator.rounds"):
+            reply = await stack.generate(prompt_ids=prompt, max_new_tokens=40, speculation={"fixed_k": 4})
+        assert list(reply.token_ids) == reference_greedy(prompt, 40)
+        assert reply.stats.draft_tokens > 0 and reply.stats.predraft_hits > 0  # it pipelined while there was room
+        assert positions and max(positions) <= draft_context, max(positions)
+        assert "draft cannot serve" not in caplog.text, caplog.text
+    finally:
+        hook.remove()
+        await stack.close()
