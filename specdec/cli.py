@@ -50,7 +50,7 @@ def generate_main(argv: list[str]) -> None:
                         args.seed, args.session_id, args.stop, args.policy, args.fixed_k, args.min_k, args.max_k)
     try:
         via = connection(args.tls, args.tls_ca, args.tls_server_name, args.auth_token_file)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # TlsFilesError is a ValueError
         raise SystemExit(f"specdec generate: {exc}") from None
     try:
         stats = asyncio.run(stream_generate(args.address, req, timeout_s=args.timeout_s, via=via))

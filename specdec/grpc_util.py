@@ -165,11 +165,15 @@ def delayed_call(call: Callable[[Any, Any], Awaitable[Any]], ms: float) -> Calla
     return wait_then_call
 
 
+def bare_host(host: str) -> str:
+    """--host as given, brackets taken off an IPv6 literal ("[::1]" -> "::1"): what socket APIs want."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def host_port(host: str, port: int) -> str:
     """"host:port" for gRPC, an IPv6 literal in brackets ("[::]:50051"; ":::50051" binds nothing)."""
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
+    host = bare_host(host)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def start_server(register: Callable[[grpc.aio.Server], None], service_names: list[str],

@@ -70,7 +70,8 @@ def worker_registry(core: Any, scheduler: Any = None) -> CollectorRegistry:
 
 def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> int:
     """Start the /metrics HTTP endpoint in a daemon thread; returns the bound port."""
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    from specdec.grpc_util import bare_host, host_port
+    server, _thread = start_http_server(port, addr=bare_host(host), registry=registry)
     bound = server.server_address[1]
-    log.info("metrics on http://%s:%d/metrics", host, bound)
+    log.info("metrics on http://%s/metrics", host_port(bare_host(host), bound))
     return bound

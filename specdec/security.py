@@ -53,18 +53,22 @@ def check_key_pair(cert: str, key: str) -> None:
     """The key is the certificate's (grpc would only find out at the first handshake, and fail it)."""
     import ssl
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        # An empty password: an encrypted key fails here at once (without one, OpenSSL would prompt
+        # on the terminal, inside grpc's fetcher). grpc takes no passphrase anyway.
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=b"")
     except (ssl.SSLError, OSError) as exc:
         raise TlsFilesError(f"--tls-cert {cert} / --tls-key {key}: {exc}") from None
 
 
-def check_ca(path: str, flag: str) -> None:
+def check_ca(path: str, flag: str) -> bytes:
+    """The CA file's bytes, once they parse as certificates (checked on the bytes returned)."""
     import ssl
-    _pem(path, flag)
+    data = _pem(path, flag)
     try:
-        ssl.create_default_context(cafile=path)
-    except (ssl.SSLError, OSError) as exc:
+        ssl.create_default_context(cadata=data.decode("ascii", errors="replace"))
+    except (ssl.SSLError, ValueError) as exc:
         raise TlsFilesError(f"{flag} {path}: {exc}") from None
+    return data
 
 
 class ServerCertificateFiles:
@@ -98,10 +102,7 @@ class ServerCertificateFiles:
     def _load(self) -> grpc.ServerCertificateConfiguration:
         before = [_pem(self.cert, "--tls-cert"), _pem(self.key, "--tls-key")]
         check_key_pair(self.cert, self.key)
-        ca = None
-        if self.client_ca:
-            check_ca(self.client_ca, "--tls-client-ca")
-            ca = _pem(self.client_ca, "--tls-client-ca")
+        ca = check_ca(self.client_ca, "--tls-client-ca") if self.client_ca else None
         # Read again after the check: the pair handed to grpc is the one checked, not one written in between.
         if [_pem(self.cert, "--tls-cert"), _pem(self.key, "--tls-key")] != before:
             raise TlsFilesError("the certificate or key changed while being read")

@@ -95,3 +95,12 @@ def test_generate_reports_a_failed_call_by_its_status_not_a_traceback(tmp_path: 
     with pytest.raises(SystemExit, match="no tokens"):
         (tmp_path / "empty").write_text("# none\n")
         generate_main(["hi", "--auth-token-file", str(tmp_path / "empty")])
+
+
+def test_generate_refuses_a_server_name_without_tls_and_warns_of_a_plaintext_token(caplog) -> None:
+    from specdec.tools.client import connection
+    with pytest.raises(ValueError, match="--tls-server-name needs"):
+        connection(tls_server_name="specdec", environ={})
+    with caplog.at_level("WARNING"):
+        assert connection(environ={"SPECDEC_AUTH_TOKEN": "t"}).metadata == (("authorization", "Bearer t"),)
+    assert "plaintext" in caplog.text

@@ -592,10 +592,11 @@ def _ipv6_loopback() -> bool:
 
 
 def test_host_port_brackets_ipv6_literals() -> None:
-    from specdec.grpc_util import host_port
+    from specdec.grpc_util import bare_host, host_port
     assert host_port("0.0.0.0", 50051) == "0.0.0.0:50051"
     assert host_port("::", 50051) == "[::]:50051"  # ":::50051" bound nothing: --host :: failed
     assert host_port("[::1]", 0) == "[::1]:0"
+    assert bare_host("[::1]") == "::1" and bare_host("::") == "::" and bare_host("10.0.0.1") == "10.0.0.1"
     assert host_port("worker.svc", 7) == "worker.svc:7"
 
 
@@ -614,9 +615,10 @@ async def test_servers_bind_an_ipv6_host() -> None:
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await handle.stop(grace_s=0.1)
-    port = serve_metrics(0, CollectorRegistry(), "::1")
-    with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=5) as reply:
-        assert reply.status == 200
+    for host in ("::1", "[::1]"):  # --host with or without brackets
+        port = serve_metrics(0, CollectorRegistry(), host)
+        with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=5) as reply:
+            assert reply.status == 200
 
 
 def _install(files: dict[str, str], live: Path) -> None:

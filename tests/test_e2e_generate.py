@@ -56,6 +56,15 @@ async def test_unset_max_new_tokens_runs_to_the_context_window_or_the_server_lim
         short = await stack.generate(prompt_ids=PROMPTS[0], speculation={"fixed_k": 3})
         assert list(short.token_ids) == reference_greedy(PROMPTS[0], limit)
         assert short.finish_reason == orchestrator_pb2.FINISH_REASON_LENGTH
+        # Both bounds at once (room == limit): the limit's reason, by precedence.
+        even = await stack.generate(prompt_ids=long_prompt[:context - limit], speculation={"fixed_k": 3})
+        assert even.stats.new_tokens == limit and even.finish_reason == orchestrator_pb2.FINISH_REASON_LENGTH
+        # A session's history takes room too: the second turn has context - (len + 3 + 2) = 5 left.
+        first = await stack.generate(prompt_ids=long_prompt[:context - 10], max_new_tokens=3, session_id="s")
+        second = await stack.generate(prompt_ids=[5, 6], session_id="s", speculation={"fixed_k": 3})
+        history = long_prompt[:context - 10] + list(first.token_ids) + [5, 6]
+        assert list(second.token_ids) == reference_greedy(history, 5)
+        assert second.finish_reason == orchestrator_pb2.FINISH_REASON_CONTEXT
         for fields, message in ((dict(prompt_ids=long_prompt, max_new_tokens=5), "max_new_tokens (5) exceeds"),
                                 (dict(prompt_ids=long_prompt + [5] * 4), "one new token exceeds")):
             with pytest.raises(grpc.aio.AioRpcError) as err:

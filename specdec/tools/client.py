@@ -1,6 +1,7 @@
 """Client helpers: build a GenerateRequest, stream it, format the stats (used by the CLI and the demo)."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -10,6 +11,8 @@ from typing import TextIO
 import grpc
 
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 def build_request(prompt: str | None = None, chat: bool = False, max_new_tokens: int = 128,
@@ -64,12 +67,18 @@ def connection(tls: bool = False, tls_ca: str | None = None, tls_server_name: st
     """From the client's flags: TLS with the system's roots (`tls`) or a CA file (`tls_ca`); the token
     from the file's first token line, else $SPECDEC_AUTH_TOKEN (never a flag: argv shows in `ps`)."""
     from specdec import security
+    if tls_server_name and not (tls or tls_ca):
+        raise ValueError("--tls-server-name needs --tls or --tls-ca")
     credentials = None
     if tls or tls_ca:
+        if tls_ca:
+            security.check_ca(tls_ca, "--tls-ca")
         credentials = security.channel_credentials(tls_ca)
     token = environ.get("SPECDEC_AUTH_TOKEN") or None
     if auth_token_file:
         token = security.load_tokens(auth_token_file)[0]
+    if token and credentials is None:
+        log.warning("a bearer token without --tls/--tls-ca crosses the network in plaintext")
     return Connection(credentials, tls_server_name, token)
 
 
