@@ -121,6 +121,9 @@ class OrchestratorSessions:
         self.max_sessions = max_sessions
         self.max_tokens = max_tokens
         self.tokens = 0  # held_tokens over the sessions
+        # Named sessions only: max_sessions bounds them. A stand-alone request's session lives for its
+        # turn and admission bounds how many run; counted, it evicted a conversation at the limit.
+        self.named = 0
         self.ttl_s = ttl_s
         self._on_evict = on_evict
         self._clock = clock
@@ -146,12 +149,13 @@ class OrchestratorSessions:
                 raise SessionNotFound(f"session {session_id!r} is not held by this orchestrator (ended, "
                                       "expired, evicted, or lost with a restart); send the whole "
                                       "conversation again without resume_session")
+            if not ephemeral and self.named >= self.max_sessions and not self._idle_named():
+                raise CapacityExceeded(f"all {self.max_sessions} sessions are busy generating; retry later")
             session = OrchestratorSession(session_id, ephemeral, stats=new_stats())
             self._sessions[session_id] = session
-            self._enforce_limit(keep=session_id)
-            if len(self._sessions) > self.max_sessions:  # every other session is generating right now
-                del self._sessions[session_id]
-                raise CapacityExceeded(f"all {self.max_sessions} sessions are busy generating; retry later")
+            self.named += not ephemeral
+            # Nothing is evicted for it yet: its first turn may still be refused (a prompt over the
+            # context) or fail, and a conversation must not be lost for that. touch() makes room.
         session.last_used = self._clock()
         self._sessions.move_to_end(session_id)
         return session
@@ -186,6 +190,7 @@ class OrchestratorSessions:
             self._sessions.move_to_end(session.session_id)
             self.tokens += len(session.tokens) - session.held_tokens
             session.held_tokens = len(session.tokens)
+            self._enforce_limit(keep=session.session_id)
             self._enforce_tokens()
 
     def remove(self, session_id: str) -> OrchestratorSession | None:
@@ -197,6 +202,7 @@ class OrchestratorSessions:
         session = self._sessions.pop(session_id, None)
         if session is not None:
             self.tokens -= session.held_tokens
+            self.named -= not session.ephemeral
         return session
 
     def _expire(self) -> None:
@@ -212,11 +218,16 @@ class OrchestratorSessions:
         for sid in expired:
             self._evict(sid, f"expired after {self.ttl_s:g} s idle")
 
+    def _idle_named(self) -> bool:
+        """A named session not in a turn exists (one that a new session could take the place of)."""
+        return any(not s.ephemeral and not s.lock.locked() for s in self._sessions.values())
+
     def _enforce_limit(self, keep: str) -> None:
-        for sid in list(self._sessions):
-            if len(self._sessions) <= self.max_sessions:
+        for sid in list(self._sessions):  # least recently used first; never one in a turn
+            if self.named <= self.max_sessions:
                 break
-            if sid != keep and not self._sessions[sid].lock.locked():
+            sess = self._sessions[sid]
+            if sid != keep and not sess.ephemeral and not sess.lock.locked():
                 self._evict(sid, f"was evicted (more than {self.max_sessions} sessions)")
 
     def _enforce_tokens(self) -> None:

@@ -409,6 +409,31 @@ async def test_orchestrator_session_state_is_bounded() -> None:
         await stack.close()
 
 
+async def test_stand_alone_and_refused_requests_do_not_evict_conversations_at_the_session_limit() -> None:
+    """At --max-sessions, a request without a session id, or a new session whose first turn is
+    refused (a prompt over the context), evicted the least recently used conversation (its next
+    turn: NOT_FOUND). Only a new conversation whose turn completes takes an idle one's place."""
+    stack = await start_stack(engine_limits=EngineLimits(max_sessions=2))
+    sessions = stack.orch.engine.sessions
+    try:
+        for sid in ("alice", "bob"):
+            await stack.generate(prompt_ids=[3, 4], max_new_tokens=3, session_id=sid)
+        await stack.generate(prompt_ids=[5, 6], max_new_tokens=3)  # stand-alone
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stack.generate(prompt_ids=[1] * 5000, max_new_tokens=3, session_id="carol")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert sessions.get("alice") and sessions.get("bob") and sessions.get("carol") is None
+        assert len(sessions) == sessions.named == 2
+        await stack.generate(prompt_ids=[7], max_new_tokens=3, session_id="dave")  # completes: alice goes
+        assert sessions.get("alice") is None and sessions.get("bob") and sessions.get("dave")
+        assert sessions.named == 2
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stack.generate(prompt_ids=[8], max_new_tokens=3, session_id="alice")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await stack.close()
+
+
 async def test_orchestrator_histories_are_bounded_in_tokens() -> None:
     """A count alone did not bound the memory: 10,000 sessions of 8k tokens took 3.9 GiB (about 50
     bytes a token), over the k8s limit of 2 GiB. Past the token budget the least recently used
@@ -488,7 +513,9 @@ def test_eviction_takes_the_session_idle_longest_counted_from_its_last_turns_end
     now[0] = 99.0
     sessions.touch(long_turn)
     now[0] = 100.0
-    sessions.get_or_create("z", False, SessionStats)
+    z = sessions.get_or_create("z", False, SessionStats)
+    assert evicted == []  # not before z's first turn has completed
+    sessions.touch(z)
     assert evicted == ["y"] and sessions.get("x") is long_turn
     # Expiry walks the same order and stops at the first session still within its TTL.
     now[0] = 1099.5
