@@ -618,7 +618,7 @@ class Round:
                 if timeout < w.target_timeout_s:  # the client's deadline: its DEADLINE_EXCEEDED
                     raise
                 if replica is not None:
-                    w.target.call_timed_out(replica)
+                    w.target.call_timed_out(replica, timeout)
                 raise WorkerUnavailable(f"target worker did not answer within {w.target_timeout_s:g} s") from exc
             except (SessionNotFound, CacheMismatch) as exc:
                 if reprefilled:

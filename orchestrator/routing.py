@@ -98,11 +98,15 @@ class ReplicaEjection:
         self._clock = clock
         self._failing: dict[str, _FailingReplica] = {}
 
-    def failed(self, node: str) -> None:
+    def failed(self, node: str, lasted_s: float = 0.0) -> None:
+        """lasted_s: how long the failed call had been failing before it ended (a hung call that timed
+        out failed all along: hung calls of a quiet replica end minutes apart, each a new streak, and
+        the replica was never passed over)."""
         now = self._clock()
         state = self._failing.get(node)
         if state is None or now - max(state.last, state.until) > self.STREAK_GAP_S:  # a new blip
             state = self._failing[node] = _FailingReplica(since=now, last=now)
+        state.since = min(state.since, now - lasted_s)
         state.last = now
         if now - state.since >= self.EJECT_AFTER_S and not self.passed_over(node):
             state.cooldown = min(self.MAX_COOLDOWN_S, 2 * state.cooldown if state.cooldown else self.COOLDOWN_S)
@@ -268,11 +272,11 @@ class _Routed:
     async def end_session(self, session_id: str) -> bool:
         return await self._call(session_id, "end_session")
 
-    def call_timed_out(self, node: str) -> None:
+    def call_timed_out(self, node: str, after_s: float) -> None:
         """A call on this replica (taken before the call: by its end the session may map elsewhere)
-        ran past the orchestrator's own timeout, not the client's deadline: a replica that hangs is
-        failing too, and its sessions go elsewhere as for one that is down."""
-        self.pool.ejection.failed(node)
+        ran past the orchestrator's own timeout (after_s), not the client's deadline: a replica that
+        hangs is failing too, for that long, and its sessions go elsewhere as for one that is down."""
+        self.pool.ejection.failed(node, lasted_s=after_s)
 
     async def describe(self, timeout_s: float | None = None) -> Any:
         return await self.pool.first_answer(lambda backend: backend.describe(timeout_s))

@@ -478,6 +478,13 @@ def test_a_replica_failing_for_a_second_is_passed_over_for_a_cool_down() -> None
     now[0] = 30.0
     ejection.failed("a")  # 13.6 s later, no calls between (an idle replica): another blip, not the same
     assert not ejection.passed_over("a")
+    # A call that hung until the orchestrator's timeout failed for all that time: on a quiet replica
+    # such timeouts end minutes apart (each a new blip), and the replica was never passed over.
+    for t in (100.0, 300.0):  # each timeout alone passes it over (the second after its cool-down ended)
+        now[0] = t
+        assert not ejection.passed_over("h")
+        ejection.failed("h", lasted_s=600.0)
+        assert ejection.passed_over("h")
 
     ring = HashRing(["a", "b", "c"])
     keys = [f"k{i}" for i in range(200)]
