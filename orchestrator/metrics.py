@@ -38,7 +38,7 @@ class OrchestratorMetrics:
         self.fallbacks = Counter("specdec_fallback_rounds", "Rounds run target-only because the draft was unusable",
                                  registry=r)
         self.reprefills = Counter("specdec_reprefills", "Worker caches rebuilt from canonical tokens", registry=r)
-        self.sessions = Gauge("specdec_sessions", "Sessions held by the orchestrator", registry=r)
+        self.sessions = Gauge("specdec_sessions", "Named sessions (conversations) held by the orchestrator", registry=r)
         self.predrafts = Counter("specdec_predrafts", "Pipelined pre-drafts by outcome (hit: used as the "
                                  "next round's drafts; miss: discarded)", ["outcome"], registry=r)
         self.guard_rounds = Counter("specdec_guard_rounds", "Guarded rounds by the pair guard's epoch (spec: "

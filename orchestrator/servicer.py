@@ -77,7 +77,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.admission = admission
         self.metrics = metrics
         if metrics is not None:  # read at each scrape: EndSession and evictions change it too
-            metrics.sessions.set_function(lambda: len(engine.sessions))
+            metrics.sessions.set_function(lambda: engine.sessions.named)
 
     async def _events(self, request: orchestrator_pb2.GenerateRequest,
                       context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[GenerationEvent]:
@@ -99,8 +99,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         except SpecdecError as exc:
             code = exc.code_name
             raise
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             # gRPC cancels the handler for a deadline that ran out too: the caller saw DEADLINE_EXCEEDED.
+            # A stream cancelled while its write was blocked is closed instead (GeneratorExit).
             remaining = context.time_remaining()
             code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
             raise
@@ -109,7 +110,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise
         finally:
             if self.metrics is not None:
-                self.metrics.request_done(method, code, time.perf_counter() - started, tokens)
+                # Tokens returned to callers: a unary call that failed returned none of its own.
+                returned = tokens if code == "OK" or method == "GenerateStream" else 0
+                self.metrics.request_done(method, code, time.perf_counter() - started, returned)
 
     # Errors become statuses in one place: grpc_util.add_service.
     async def Generate(self, request: orchestrator_pb2.GenerateRequest,

@@ -699,3 +699,43 @@ def test_bad_tls_files_stop_a_service_at_startup_with_the_reason(tmp_path: Path)
                          (["--auth-token-file", str(tmp_path / "none.txt")], "--auth-token-file")):
         with pytest.raises(SystemExit, match=match):
             config_from_args(parser.parse_args(base + flags))
+
+
+async def test_metrics_count_a_stream_closed_mid_write_as_cancelled_and_a_failed_call_returns_no_tokens() -> None:
+    """grpc.aio closes a streaming handler whose client cancelled while a write was blocked
+    (GeneratorExit, not CancelledError): it was counted code="OK". A unary call that failed after
+    some tokens returned none, yet they were counted as returned to callers."""
+    from types import SimpleNamespace
+
+    from orchestrator import servicer as orch_servicer
+    from orchestrator.admission import Admission
+    from orchestrator.api import GenerationEvent
+    from orchestrator.metrics import OrchestratorMetrics
+    from specdec.errors import WorkerUnavailable
+    from specdec.v1 import orchestrator_pb2
+
+    class Engine:
+        sessions = SimpleNamespace(named=0)
+
+        def validate(self, params: Any) -> None:
+            return None
+
+        async def generate(self, params: Any, time_remaining: Any, speculation: Any) -> Any:
+            for _ in range(3):
+                yield GenerationEvent("x", [1])
+            raise WorkerUnavailable("target down")
+
+    metrics = OrchestratorMetrics()
+    servicer = orch_servicer.OrchestratorServicer(Engine(), Admission(2, 2), metrics)
+    context = SimpleNamespace(time_remaining=lambda: None)
+    stream = servicer._events(orchestrator_pb2.GenerateRequest(prompt="hi", max_new_tokens=4), context, "GenerateStream")
+    await stream.__anext__()
+    await stream.aclose()  # what grpc.aio does to a stream cancelled mid-write
+    sample = metrics.registry.get_sample_value
+    assert sample("specdec_requests_total", {"method": "GenerateStream", "code": "CANCELLED"}) == 1.0
+    assert sample("specdec_requests_total", {"method": "GenerateStream", "code": "OK"}) is None
+    with pytest.raises(WorkerUnavailable):
+        await servicer.Generate(orchestrator_pb2.GenerateRequest(prompt="hi", max_new_tokens=4), context)
+    assert sample("specdec_requests_total", {"method": "Generate", "code": "UNAVAILABLE"}) == 1.0
+    assert sample("specdec_generated_tokens_total") == 1.0  # the stream's one token, none of the failed call's
+    assert servicer.admission.running == 0
