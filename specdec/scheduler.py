@@ -72,6 +72,8 @@ Steps = Generator[Any, Any, Any]
 DECODE_STEP_ROWS = 33
 # The fewest prompt rows a shared forward carries while prompts wait: below this a prompt crawls.
 MIN_PROMPT_CHUNK = 16
+# EndSessions may wait beyond max_queue (they free memory), up to this many more calls in all.
+MAX_WAITING_ENDS = 1024
 
 
 _DROPPED, _ADMITTED, _WAITS = "dropped", "admitted", "waits"  # where admission places a waiting call
@@ -300,10 +302,16 @@ class BatchScheduler:
         with self._cond:
             if self._closed:
                 raise WorkerUnavailable(self._failure or "worker is shutting down")
+            # Calls cancelled or past their deadline leave the queue now, not at the next admission:
+            # during a long forward (a CPU prefill) they piled up uncounted, and every submit
+            # scanned them all (5,000 calls with short deadlines took 8 s to submit).
+            dropped = self._take_dropped(now)
             # Refused only if this call would itself wait beyond the free slots past max_queue (0: no
             # waiting room, yet an idle worker still takes a call). An EndSession takes no slot and
-            # frees memory: never refused for load.
+            # frees memory: not refused for load, unless the calls waiting pass a hard bound.
             queued = 0 if ends_session else self._queued(joining=session_id)
+            if ends_session and len(self._waiting) >= self.limits.max_queue + self.limits.max_batch + MAX_WAITING_ENDS:
+                queued = self.limits.max_queue + 1
             if queued > self.limits.max_queue:
                 self.rejected += 1
                 retry_ms = self._retry_after_ms(over=queued - self.limits.max_queue)
@@ -314,7 +322,22 @@ class BatchScheduler:
                        ends_session=ends_session)
             self._waiting.append(job)
             self._cond.notify_all()
+        for gone in dropped:  # their callers gave up: retired, the late ones failed DEADLINE_EXCEEDED
+            if gone.future.cancelled():
+                self._retire(gone)
+            else:
+                self._fail(gone, DeadlineExceeded("deadline expired while the call waited for the model"))
         return job.future, job.load
+
+    def _take_dropped(self, now: float) -> list[_Job]:
+        """The waiting calls cancelled or past their deadline, taken out of the queue (lock held)."""
+        dropped = [job for job in self._waiting
+                   if job.future.cancelled() or (job.deadline is not None and now >= job.deadline)]
+        if dropped:
+            gone = set(map(id, dropped))
+            self._waiting = collections.deque(job for job in self._waiting if id(job) not in gone)
+            self.expired += sum(not job.future.cancelled() for job in dropped)
+        return dropped
 
     def snapshot(self) -> LoadSnapshot:
         with self._cond:
@@ -598,9 +621,12 @@ class BatchScheduler:
             size = len(step.tokens)
             prompt = size > DECODE_STEP_ROWS or job.chunked  # (a short rest of a prompt runs as a decode step)
             if chunking and (size > DECODE_STEP_ROWS or (itl_bound and job.chunked)):
-                if prefill_left is None:
+                room = self.limits.max_batch_tokens - rows
+                if prefill_left is None:  # the oldest prompt: MIN_PROMPT_CHUNK rows even where a decode
+                    # step alone fills the cap (k + 1 >= max_batch_tokens), else it never got a row
                     prefill_left = self._prompt_budget(decode_rows, decoding, itl_bound)
-                take = min(prefill_left, self.limits.max_batch_tokens - rows)
+                    room = max(room, MIN_PROMPT_CHUNK)
+                take = min(prefill_left, room)
                 parts = step.split(take) if 0 < take < size and hasattr(step, "split") else None
                 if parts is not None:
                     head, job.pending = parts  # the rest stays pending, still the oldest prompt

@@ -186,12 +186,17 @@ class WorkerCore:
         """Make `slot` a copy of `source_slot`'s first commit.cache_len tokens (checked like a commit),
         replacing what it held. On the model thread, between forwards: the source is never mid-forward.
         Refused before the copy where the branch could not grow by `grow_by` tokens past that."""
-        source = self._checkout(slot_key(session_id, source_slot), commit)
+        if commit.cache_len < 0:
+            raise InvalidRequest("commit.cache_len must be >= 0")
+        # A fork of nothing needs no source: looked up, an absent one was created empty (and then
+        # marked the live slot, the real branch a stale copy, first to be evicted).
+        source = self._checkout(slot_key(session_id, source_slot), commit) if commit.cache_len else None
         # As begin_steps: the tokens fed must fit the context; the room reserved stops at it (a
         # call drafts no further than the context, so a branch near its end is no error).
         self._check_room(slot_key(session_id, slot), min(commit.cache_len + grow_by, self.max_context))
-        branch = WorkerSession(copy_cache(source.cache, commit.cache_len), list(source.tokens[:commit.cache_len]),
-                               source.prefix_keys[:commit.cache_len])
+        branch = (WorkerSession(cache=new_cache(self.model)) if source is None else
+                  WorkerSession(copy_cache(source.cache, commit.cache_len), list(source.tokens[:commit.cache_len]),
+                                source.prefix_keys[:commit.cache_len]))
         key = slot_key(session_id, slot)
         self.store.put(key, branch)  # its room in the budget: the call's reservation (begin_steps)
 
@@ -286,14 +291,16 @@ class WorkerCore:
             raise InvalidRequest(f"slot and fork_from must be in [0, {MAX_BRANCH_SLOTS}], got {slot} and {fork_from}")
         if fork_from == slot:
             raise InvalidRequest(f"a slot cannot be forked from itself (slot {slot})")
+        if commit.cache_len + len(commit.append_tokens) + len(extra_tokens) > self.max_context:
+            # Before the per-token checks: an oversized commit was scanned token by token first.
+            raise InvalidRequest(f"sequence of {commit.cache_len + len(commit.append_tokens) + len(extra_tokens)} "
+                                 f"tokens exceeds the model context of {self.max_context}")
         self.check_tokens(commit.append_tokens, "commit.append_tokens")
         self.check_tokens(extra_tokens, "tokens")
         if fork_from is not None:
-            fed = commit.cache_len + len(commit.append_tokens) + len(extra_tokens)
-            if fed > self.max_context:
-                raise InvalidRequest(f"sequence of {fed} tokens exceeds the model context of {self.max_context}")
             self.fork(session_id, fork_from, slot, commit, len(commit.append_tokens) + len(extra_tokens) + grow_by)
-        self._mark_live_slot(session_id, slot if fork_from is None else fork_from)
+        source_held = fork_from is not None and self.store.peek(slot_key(session_id, fork_from)) is not None
+        self._mark_live_slot(session_id, fork_from if source_held else slot)
         session_id = slot_key(session_id, slot)
         session = self._checkout(session_id, commit)
         feed_tokens = list(commit.append_tokens)

@@ -593,9 +593,10 @@ async def test_load_sweep_reports_both_modes_per_level(tmp_path) -> None:
         levels, references = await sweep(stack.address, PROMPTS[:3], [1, 2], 1, 6, 60.0, repeats=2)
     finally:
         await stack.close()
-    # Per level, the modes alternate ABBA over the repeats, so a drift in speed falls on both alike.
+    # Per level, the modes alternate ABBA over the repeats, so a drift in speed falls on both alike;
+    # the order flips from one level to the next.
     assert [(lv.mode[0], lv.streams, lv.repeat) for lv in levels] == [
-        ("s", 1, 0), ("t", 1, 0), ("t", 1, 1), ("s", 1, 1), ("s", 2, 0), ("t", 2, 0), ("t", 2, 1), ("s", 2, 1)]
+        ("s", 1, 0), ("t", 1, 0), ("t", 1, 1), ("s", 1, 1), ("t", 2, 0), ("s", 2, 0), ("s", 2, 1), ("t", 2, 1)]
     assert all(lv.errors == {} and lv.mismatches == 0 and lv.tokens == 6 * lv.streams for lv in levels)
     assert all(len(lv.ttft_ms) == lv.streams for lv in levels)
     # One gap per token after the first; target-only streams one token per chunk, a speculative round

@@ -597,6 +597,12 @@ def test_a_forked_slot_drafts_what_the_session_would_and_leaves_it_alone() -> No
     assert core.end_session("s")
     assert core.session_tokens("s") is None and core.session_tokens(slot_key("s", 2)) is None
     assert all(slot.pinned == 0 for slot in core.store._slots.values())
+    # A fork of nothing (cache_len 0) from a slot the worker does not hold: the branch starts empty,
+    # no empty source is made up (it was, marked the live slot, and the real branch a stale copy).
+    nothing = engine.propose(ProposeParams("t", Commit(0, 0, (5, 6, 7)), 2, greedy, slot=1, fork_from=0))
+    assert nothing.tokens == engine.propose(ProposeParams("u", Commit(0, 0, (5, 6, 7)), 2, greedy)).tokens
+    assert core.session_tokens("t") is None and core.session_tokens(slot_key("t", 1)) == [5, 6, 7, nothing.tokens[0]]
+    assert not core.store.peek(slot_key("t", 1)).stale
 
 
 def test_branch_points_take_the_likeliest_rejections() -> None:

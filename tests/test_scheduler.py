@@ -1288,3 +1288,55 @@ def test_worker_max_k_is_checked_before_the_model_loads(max_k: str) -> None:
         check_worker_flags(parser.parse_args(["--max-k", max_k]))
     for fine in ("1", "8", "32"):
         check_worker_flags(parser.parse_args(["--max-k", fine]))
+
+
+def test_calls_given_up_while_waiting_leave_the_queue_and_end_sessions_are_bounded(forward) -> None:
+    """During a long forward, calls whose deadline passed (or that were cancelled) stayed queued,
+    uncounted, until the next admission: thousands piled up and each submit scanned them all. They
+    leave at the next submit, failed DEADLINE_EXCEEDED. EndSessions (never refused for load) stop at
+    a hard bound too."""
+    from specdec.errors import DeadlineExceeded
+    from specdec.scheduler import MAX_WAITING_ENDS, QueueFull
+    scheduler = make_scheduler(forward, max_queue=2, max_batch=1)
+    try:
+        blocker, _ = submit_held(scheduler, forward, "x", call("x"))
+        late = []
+        for i in range(50):
+            late.append(scheduler.submit(f"s{i}", call(f"s{i}"), timeout_s=0.001)[0])
+            time.sleep(0.003)  # past its deadline before the next one arrives
+        cancelled, _ = scheduler.submit("c", call("c"))
+        cancelled.cancel()
+        kept, _ = scheduler.submit("kept", call("kept"))
+        assert scheduler.waiting_calls == 1
+        for future in late:
+            with pytest.raises(DeadlineExceeded):
+                future.result(0)
+        assert scheduler.expired == 50
+        ends = 0
+        with pytest.raises(QueueFull):
+            while ends <= MAX_WAITING_ENDS + 10:
+                scheduler.submit(f"e{ends}", call(f"e{ends}"), ends_session=True)
+                ends += 1
+        assert ends == MAX_WAITING_ENDS + 2 + 1 - 1  # max_queue + max_batch + MAX_WAITING_ENDS, "kept" among them
+        forward.gate.set()
+        blocker.result(WAIT_S), kept.result(WAIT_S)
+    finally:
+        scheduler.close()
+
+
+def test_a_decode_step_alone_over_the_row_cap_still_leaves_a_waiting_prompt_its_chunk(forward) -> None:
+    """With max_batch_tokens below a decode step's rows (k + 1 = 33 against 32), the oldest decode
+    step filled every forward alone and a waiting prompt got no row while any decoder ran."""
+    scheduler = make_scheduler(forward, max_batch=3, max_batch_tokens=32, prefill_chunk=16)
+    try:
+        first, _ = submit_held(scheduler, forward, "a", call("a", steps=12, tokens=33))
+        other, _ = scheduler.submit("b", call("b", steps=12, tokens=33))
+        prompt, _ = scheduler.submit("p", prompt_call("p", 100), timeout_s=WAIT_S)
+        forward.gate.set()
+        prompt.result(WAIT_S), first.result(WAIT_S), other.result(WAIT_S)
+        with_prompt = [i for i, batch in enumerate(forward.batches) if "p" in batch]
+        assert with_prompt == list(range(1, 7)), forward.batches  # beside the decoders (25 forwards in all)
+        # A decoder and a 16-row chunk in each (over the cap by the chunk), then the 20-row rest alone.
+        assert forward.rows[1:6] == [[33, 16]] * 5 and forward.rows[6] == [20]
+    finally:
+        scheduler.close()
