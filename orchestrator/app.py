@@ -17,7 +17,7 @@ from orchestrator.config import SpeculationConfig, SpeculationConfigError
 from orchestrator.api import EngineLimits
 from orchestrator.engine import GenerationEngine
 from orchestrator.metrics import OrchestratorMetrics
-from orchestrator.routing import ReplicaPool, RoutedDraft, RoutedTarget
+from orchestrator.routing import ReplicaPool, RoutedDraft, RoutedTarget, parse_targets
 from orchestrator.traces import TraceWriter
 from specdec import grpc_util, security
 from specdec.errors import DeadlineExceeded, SpecdecError, WorkerUnavailable
@@ -241,6 +241,11 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
                                     "--worker-client-cert": ("--worker-client-key", "--worker-ca"),
                                     "--worker-client-key": ("--worker-client-cert", "--worker-ca"),
                                     "--worker-server-name": ("--worker-ca",)})
+    for flag in ("draft", "target"):
+        try:
+            parse_targets(getattr(args, flag))
+        except ValueError as exc:
+            raise SystemExit(f"--{flag}: {exc}") from None
     security.check_tls_files((args.tls_cert, args.tls_key, None),
                              (args.worker_ca, args.worker_client_cert, args.worker_client_key))
     try:

@@ -118,6 +118,10 @@ class GenerationEngine:
             raise InvalidRequest(f"at most {self.limits.max_stop_strings} stop strings")
         if any(not s or len(s) > self.limits.max_stop_chars for s in params.stop):
             raise InvalidRequest(f"stop strings must be non-empty and at most {self.limits.max_stop_chars} characters")
+        if any("\ufffd" in s for s in params.stop):
+            # U+FFFD is what decoding shows for an incomplete character: text ending in one is held back
+            # until it resolves, so a stop string with it matched late or never.
+            raise InvalidRequest("stop strings must not contain U+FFFD (the replacement character)")
         try:
             SamplingConfig(params.temperature, params.top_k, params.top_p).validate()
         except ValueError as exc:

@@ -129,13 +129,21 @@ class ReplicaEjection:
 def parse_targets(spec: str) -> tuple[list[str], str | None]:
     """'h1:p1,h2:p2' -> static list; 'dns:///name:port' -> (empty list, 'name:port') for discovery."""
     if spec.startswith("dns:///"):
-        return [], spec[len("dns:///"):]
-    return [s.strip() for s in spec.split(",") if s.strip()], None
+        name_port = spec[len("dns:///"):]
+        host, _, port = name_port.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{spec!r}: discovery needs dns:///NAME:PORT")
+        return [], name_port
+    addresses = [s.strip() for s in spec.split(",") if s.strip()]
+    if not addresses:
+        raise ValueError(f"{spec!r}: no worker address (HOST:PORT[,HOST:PORT...] or dns:///NAME:PORT)")
+    return addresses, None
 
 
 async def resolve(name_port: str) -> list[str]:
+    from specdec.grpc_util import bare_host
     host, _, port = name_port.rpartition(":")
-    infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    infos = await asyncio.get_running_loop().getaddrinfo(bare_host(host), int(port), type=socket.SOCK_STREAM)
     addresses = set()
     for family, _, _, _, sockaddr in infos:
         ip = sockaddr[0]

@@ -193,6 +193,8 @@ async def test_dns_discovery_resolves_replicas() -> None:
         await pool.start()
         assert f"127.0.0.1:{handle.port}" in pool.backends
         assert pool.node_for("any-session") in pool.backends
+        from orchestrator.routing import resolve
+        assert await resolve("[::1]:7") == ["[::1]:7"]  # an IPv6 literal, bracketed as gRPC wants it
     finally:
         await pool.close()
         await handle.stop(0)

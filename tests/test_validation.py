@@ -26,6 +26,7 @@ BAD_REQUESTS = [
     (dict(prompt="x", session_id="a" * 1000), "session_id must be"),
     (dict(prompt="x", stop=[""]), "stop strings must be non-empty"),
     (dict(prompt="x", stop=["y" * 1025]), "at most 1024 characters"),
+    (dict(prompt="x", stop=["ok\ufffd"]), "must not contain U+FFFD"),
     (dict(messages=[("robot", "hi")]), "unknown message role"),
     (dict(prompt_ids=[1] * 5000), "exceeds the model context"),
     (dict(prompt="x" * 1_000_001), "prompt has 1000001 characters"),
@@ -147,7 +148,9 @@ def test_a_config_file_outside_its_table_or_a_bad_flag_is_refused_clearly(tmp_pa
                          (["--config", str(tmp_path / "c.toml")], "speculation config"),
                          (["--max-k", "99"], "speculation config"), (["--session-ttl-s", "0"], "session-ttl-s"),
                          (["--max-new-tokens-limit", "0"], "max-new-tokens-limit"), (["--grace-s", "-1"], "grace-s"),
-                         (["--drain-delay-s", "nan"], "drain-delay-s")):
+                         (["--drain-delay-s", "nan"], "drain-delay-s"),
+                         (["--target", "dns:///workers"], "--target: .*dns:///NAME:PORT"),
+                         (["--draft", " , "], "--draft: .*no worker address")):
         with pytest.raises(SystemExit, match=match):
             config_from_args(parser.parse_args(base + flags))
     assert config_from_args(parser.parse_args(base)).limits.session_ttl_s == 600.0
