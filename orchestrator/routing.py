@@ -104,7 +104,9 @@ class ReplicaEjection:
         the replica was never passed over)."""
         now = self._clock()
         state = self._failing.get(node)
-        if state is None or now - max(state.last, state.until) > self.STREAK_GAP_S:  # a new blip
+        # A new blip where this failure began well after the last one ended: a hung call began
+        # before it (lasted_s), so consecutive hung calls are one streak and its pass-over doubles.
+        if state is None or (now - lasted_s) - max(state.last, state.until) > self.STREAK_GAP_S:
             state = self._failing[node] = _FailingReplica(since=now, last=now)
         state.since = min(state.since, now - lasted_s)
         state.last = now
@@ -128,6 +130,7 @@ class ReplicaEjection:
 
 def parse_targets(spec: str) -> tuple[list[str], str | None]:
     """'h1:p1,h2:p2' -> static list; 'dns:///name:port' -> (empty list, 'name:port') for discovery."""
+    spec = spec.strip()  # a ConfigMap or env value often ends in a newline
     if spec.startswith("dns:///"):
         name_port = spec[len("dns:///"):]
         host, _, port = name_port.rpartition(":")

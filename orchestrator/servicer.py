@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -119,10 +120,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                        context: grpc.aio.ServicerContext) -> orchestrator_pb2.GenerateResponse:
         text, ids = [], []
         final: GenerationEvent | None = None
-        async for event in self._events(request, context, "Generate"):
-            text.append(event.text_delta)
-            ids.extend(event.token_ids)
-            final = event
+        # aclosing: a call that ends early closes _events now (its finally: the slot, the metrics),
+        # not whenever the abandoned generator is collected.
+        async with contextlib.aclosing(self._events(request, context, "Generate")) as events:
+            async for event in events:
+                text.append(event.text_delta)
+                ids.extend(event.token_ids)
+                final = event
         assert final is not None and final.stats is not None
         return orchestrator_pb2.GenerateResponse(
             text="".join(text), token_ids=ids, finish_reason=_FINISH[final.finish_reason or "length"],
@@ -130,13 +134,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     async def GenerateStream(self, request: orchestrator_pb2.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[orchestrator_pb2.GenerateStreamResponse]:
-        async for event in self._events(request, context, "GenerateStream"):
-            msg = orchestrator_pb2.GenerateStreamResponse(text_delta=event.text_delta, token_ids=event.token_ids,
-                                                          session_id=event.session_id)
-            if event.finish_reason is not None:
-                msg.finish_reason = _FINISH[event.finish_reason]
-                msg.stats.CopyFrom(stats_to_pb(event.stats or GenerationStats()))
-            yield msg
+        async with contextlib.aclosing(self._events(request, context, "GenerateStream")) as events:
+            async for event in events:
+                msg = orchestrator_pb2.GenerateStreamResponse(text_delta=event.text_delta, token_ids=event.token_ids,
+                                                              session_id=event.session_id)
+                if event.finish_reason is not None:
+                    msg.finish_reason = _FINISH[event.finish_reason]
+                    msg.stats.CopyFrom(stats_to_pb(event.stats or GenerationStats()))
+                yield msg
 
     async def EndSession(self, request: common_pb2.EndSessionRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.EndSessionResponse:

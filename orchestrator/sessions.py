@@ -68,6 +68,7 @@ class OrchestratorSession:
     discarded: bool = False
     last_used: float = field(default_factory=time.monotonic)
     held_tokens: int = 0  # its tokens as counted against the token budget (at the end of its last turn)
+    established: bool = False  # a named session whose first turn completed: counted against max_sessions
 
     async def begin_turn(self, wait_s: float) -> None:
         """Take the session for a turn (release: lock.release()). Refused as busy while another turn
@@ -124,6 +125,10 @@ class OrchestratorSessions:
         # Named sessions only: max_sessions bounds them. A stand-alone request's session lives for its
         # turn and admission bounds how many run; counted, it evicted a conversation at the limit.
         self.named = 0
+        # ... of which the first turn completed: what eviction compares with max_sessions. A new one
+        # still in its first turn (which may be refused) must not cost another's history, through its
+        # own turn's end or through any other session's.
+        self.established = 0
         self.ttl_s = ttl_s
         self._on_evict = on_evict
         self._clock = clock
@@ -190,6 +195,9 @@ class OrchestratorSessions:
             self._sessions.move_to_end(session.session_id)
             self.tokens += len(session.tokens) - session.held_tokens
             session.held_tokens = len(session.tokens)
+            if not session.ephemeral and not session.established:
+                session.established = True
+                self.established += 1
             self._enforce_limit(keep=session.session_id)
             self._enforce_tokens()
 
@@ -203,6 +211,7 @@ class OrchestratorSessions:
         if session is not None:
             self.tokens -= session.held_tokens
             self.named -= not session.ephemeral
+            self.established -= session.established
         return session
 
     def _expire(self) -> None:
@@ -224,10 +233,10 @@ class OrchestratorSessions:
 
     def _enforce_limit(self, keep: str) -> None:
         for sid in list(self._sessions):  # least recently used first; never one in a turn
-            if self.named <= self.max_sessions:
+            if self.established <= self.max_sessions:
                 break
             sess = self._sessions[sid]
-            if sid != keep and not sess.ephemeral and not sess.lock.locked():
+            if sid != keep and sess.established and not sess.lock.locked():
                 self._evict(sid, f"was evicted (more than {self.max_sessions} sessions)")
 
     def _enforce_tokens(self) -> None:

@@ -547,7 +547,8 @@ class BatchScheduler:
             self._retire(job)
             return
         if job.deadline is not None and now >= job.deadline:
-            self.expired += 1
+            with self._cond:  # (submit counts the ones it drops too)
+                self.expired += 1
             self._fail(job, DeadlineExceeded("deadline expired while the call waited for the model"))
             return
         job.load.queue_ms = (now - job.submitted) * 1000.0
@@ -588,7 +589,8 @@ class BatchScheduler:
                 self._close_steps(job)
                 self._finish(job)
             elif job.deadline is not None and now >= job.deadline:
-                self.expired += 1
+                with self._cond:
+                    self.expired += 1
                 self._abort(job, DeadlineExceeded("deadline expired between forward steps"))
 
     def _select(self) -> list[tuple[_Job, Any, bool]]:

@@ -65,8 +65,10 @@ def check_ca(path: str, flag: str) -> bytes:
     import ssl
     data = _pem(path, flag)
     try:
-        ssl.create_default_context(cadata=data.decode("ascii", errors="replace"))
-    except (ssl.SSLError, ValueError) as exc:
+        # PEM bodies are ASCII; comment lines (curl's cacert.pem labels) may not be, and cadata
+        # refuses a str with any non-ASCII character (TypeError).
+        ssl.create_default_context(cadata=data.decode("ascii", errors="ignore"))
+    except (ssl.SSLError, ValueError, TypeError) as exc:
         raise TlsFilesError(f"{flag} {path}: {exc}") from None
     return data
 

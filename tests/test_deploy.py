@@ -193,8 +193,10 @@ async def test_dns_discovery_resolves_replicas() -> None:
         await pool.start()
         assert f"127.0.0.1:{handle.port}" in pool.backends
         assert pool.node_for("any-session") in pool.backends
-        from orchestrator.routing import resolve
+        from orchestrator.routing import parse_targets, resolve
         assert await resolve("[::1]:7") == ["[::1]:7"]  # an IPv6 literal, bracketed as gRPC wants it
+        assert parse_targets("dns:///workers:50051\n") == ([], "workers:50051")  # a ConfigMap's newline
+        assert parse_targets("[::1]:1,[::2]:2") == (["[::1]:1", "[::2]:2"], None)
     finally:
         await pool.close()
         await handle.stop(0)
@@ -482,11 +484,13 @@ def test_a_replica_failing_for_a_second_is_passed_over_for_a_cool_down() -> None
     assert not ejection.passed_over("a")
     # A call that hung until the orchestrator's timeout failed for all that time: on a quiet replica
     # such timeouts end minutes apart (each a new blip), and the replica was never passed over.
-    for t in (100.0, 300.0):  # each timeout alone passes it over (the second after its cool-down ended)
+    for t, cooldown in ((100.0, 5.0), (700.0, 10.0), (1300.0, 20.0)):  # back to back: one streak, doubling
         now[0] = t
         assert not ejection.passed_over("h")
         ejection.failed("h", lasted_s=600.0)
+        now[0] = t + cooldown - 0.1
         assert ejection.passed_over("h")
+        now[0] = t + cooldown
 
     ring = HashRing(["a", "b", "c"])
     keys = [f"k{i}" for i in range(200)]
@@ -683,6 +687,9 @@ def test_bad_tls_files_stop_a_service_at_startup_with_the_reason(tmp_path: Path)
     (tmp_path / "o").mkdir()
     pki, other = make_pki(tmp_path), make_pki(tmp_path / "o")
     (tmp_path / "junk.pem").write_text("not a certificate")
+    labelled = tmp_path / "labelled-ca.pem"  # curl's cacert.pem has UTF-8 labels between certificates
+    labelled.write_bytes("# Certificat racine éprouvé\n".encode() + Path(pki["ca"]).read_bytes())
+    security.check_tls_files(client=(str(labelled), None, None))
     security.check_tls_files((pki["server_cert"], pki["server_key"], pki["ca"]),
                              (pki["ca"], pki["client_cert"], pki["client_key"]))  # a good set passes
     for server, client, match in (

@@ -499,6 +499,26 @@ def test_sessions_all_generating_refuse_a_new_one_as_resource_exhausted() -> Non
     assert evicted == ["a"] and sessions.get_or_create("a", False, SessionStats) is not busy
 
 
+def test_a_new_session_in_its_first_turn_costs_no_conversation_through_another_sessions_turn() -> None:
+    """At the limit a new session is let in while an idle one exists, but counts against
+    --max-sessions only once its first turn completes: another session's turn ending meanwhile
+    evicted the idle conversation, and the newcomer's turn was then refused anyway."""
+    from orchestrator.sessions import OrchestratorSessions
+    evicted: list[str] = []
+    sessions = OrchestratorSessions(2, ttl_s=1000.0, on_evict=lambda s: evicted.append(s.session_id))
+    for sid in ("alice", "bob"):
+        sessions.touch(sessions.get_or_create(sid, False, SessionStats))
+    carol = sessions.get_or_create("carol", False, SessionStats)  # its first turn runs (to be refused)
+    asyncio.run(carol.lock.acquire())
+    bob = sessions.get_or_create("bob", False, SessionStats)
+    sessions.touch(bob)  # bob's next turn ends meanwhile
+    assert evicted == [] and sessions.named == 3 and sessions.established == 2
+    carol.lock.release()
+    assert sessions.discard(carol) and sessions.named == 2 and evicted == []
+    sessions.touch(sessions.get_or_create("dave", False, SessionStats))  # completes: the LRU idle one goes
+    assert evicted == ["alice"] and sessions.named == sessions.established == 2
+
+
 def test_eviction_takes_the_session_idle_longest_counted_from_its_last_turns_end() -> None:
     """A turn's end made it the most recent in time but not in the eviction order: a session whose
     long turn had just ended lost its history before one idle far longer."""
