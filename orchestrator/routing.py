@@ -6,6 +6,9 @@ ring segment changed (about 1/N of them); a moved session's new replica answers 
 orchestrator re-prefills it from the canonical tokens. A replica whose calls keep failing UNAVAILABLE
 is passed over (its sessions go to the next replica on the ring) for a cool-down, also with a static
 list, where no discovery would ever drop it.
+
+Over 300 lines: the ring, the pass-over rule, discovery and the routed backends are one policy
+(which replica a session's call goes to), each small and used only through ReplicaPool.
 """
 from __future__ import annotations
 
