@@ -961,8 +961,10 @@ def test_bearer_tokens_without_tls_are_warned_about(tmp_path: Path, caplog: pyte
         assert config_from_args(parser.parse_args(base)).auth_tokens == ("s3cret",)
     assert "plaintext" in caplog.text
     caplog.clear()
+    from tests.test_deploy import make_pki
+    pki = make_pki(tmp_path)  # (the files are read and checked at startup now)
     with caplog.at_level(logging.WARNING, logger="orchestrator.app"):
-        config_from_args(parser.parse_args(base + ["--tls-cert", "c.pem", "--tls-key", "k.pem"]))
+        config_from_args(parser.parse_args(base + ["--tls-cert", pki["server_cert"], "--tls-key", pki["server_key"]]))
     assert "plaintext" not in caplog.text
 
 
