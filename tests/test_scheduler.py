@@ -922,21 +922,25 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(forward) -> No
         scheduler.close()
 
 
-def test_decode_steps_that_fill_the_row_cap_leave_a_waiting_prompt_its_chunk(forward) -> None:
+@pytest.mark.parametrize("decode_rows", [16, 33], ids=["decoders-fill-the-cap", "one-decoder-over-the-cap"])
+def test_decode_steps_that_fill_the_row_cap_leave_a_waiting_prompt_its_chunk(forward, decode_rows: int) -> None:
     """Many sessions verifying many drafts can fill max_batch_tokens with decode rows alone. They
     leave a waiting prompt MIN_PROMPT_CHUNK (16) rows, so it moves every forward instead of waiting
-    for the decoders to end (or for its deadline)."""
+    for the decoders to end (or for its deadline). Also where one decode step alone passes the cap
+    (k + 1 = 33 rows against 32): the oldest filled every forward, and the prompt got no row while
+    any decoder ran; it gets its 16 rows over the cap."""
     scheduler = make_scheduler(forward, max_batch=3, max_batch_tokens=32, prefill_chunk=16)
     try:
-        first, _ = submit_held(scheduler, forward, "a", call("a", steps=12, tokens=16))
-        other, _ = scheduler.submit("b", call("b", steps=12, tokens=16))
+        first, _ = submit_held(scheduler, forward, "a", call("a", steps=12, tokens=decode_rows))
+        other, _ = scheduler.submit("b", call("b", steps=12, tokens=decode_rows))
         prompt, _ = scheduler.submit("p", prompt_call("p", 100), timeout_s=WAIT_S)
         forward.gate.set()
         assert prompt.result(WAIT_S) == 20  # its last step: the 20 rows left after 5 chunks of 16
-        assert first.result(WAIT_S) == [16] * 12 and other.result(WAIT_S) == [16] * 12
+        assert first.result(WAIT_S) == [decode_rows] * 12 and other.result(WAIT_S) == [decode_rows] * 12
         with_prompt = [i for i, batch in enumerate(forward.batches) if "p" in batch]
         assert with_prompt == list(range(1, 7)), forward.batches  # from the first forward it could join
-        assert all(sum(rows) <= 32 for rows in forward.rows)
+        assert all(sum(rows) <= max(32, decode_rows + 16) for rows in forward.rows)
+        assert forward.rows[1:6] == [[decode_rows, 16]] * 5
         # The decoders keep moving: one of them beside each of the prompt's 16-row chunks (the
         # 20-row rest runs as a decode step, the oldest, and alone: with either decoder it would
         # pass the cap).
@@ -1323,20 +1327,3 @@ def test_calls_given_up_while_waiting_leave_the_queue_and_end_sessions_are_bound
     finally:
         scheduler.close()
 
-
-def test_a_decode_step_alone_over_the_row_cap_still_leaves_a_waiting_prompt_its_chunk(forward) -> None:
-    """With max_batch_tokens below a decode step's rows (k + 1 = 33 against 32), the oldest decode
-    step filled every forward alone and a waiting prompt got no row while any decoder ran."""
-    scheduler = make_scheduler(forward, max_batch=3, max_batch_tokens=32, prefill_chunk=16)
-    try:
-        first, _ = submit_held(scheduler, forward, "a", call("a", steps=12, tokens=33))
-        other, _ = scheduler.submit("b", call("b", steps=12, tokens=33))
-        prompt, _ = scheduler.submit("p", prompt_call("p", 100), timeout_s=WAIT_S)
-        forward.gate.set()
-        prompt.result(WAIT_S), first.result(WAIT_S), other.result(WAIT_S)
-        with_prompt = [i for i, batch in enumerate(forward.batches) if "p" in batch]
-        assert with_prompt == list(range(1, 7)), forward.batches  # beside the decoders (25 forwards in all)
-        # A decoder and a 16-row chunk in each (over the cap by the chunk), then the 20-row rest alone.
-        assert forward.rows[1:6] == [[33, 16]] * 5 and forward.rows[6] == [20]
-    finally:
-        scheduler.close()
