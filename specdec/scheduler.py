@@ -322,22 +322,32 @@ class BatchScheduler:
                        ends_session=ends_session)
             self._waiting.append(job)
             self._cond.notify_all()
-        for gone in dropped:  # their callers gave up: retired, the late ones failed DEADLINE_EXCEEDED
-            if gone.future.cancelled():
-                self._retire(gone)
-            else:
-                self._fail(gone, DeadlineExceeded("deadline expired while the call waited for the model"))
+        for gone in dropped:
+            self._end_unstarted(gone)
         return job.future, job.load
 
     def _take_dropped(self, now: float) -> list[_Job]:
         """The waiting calls cancelled or past their deadline, taken out of the queue (lock held)."""
-        dropped = [job for job in self._waiting
-                   if job.future.cancelled() or (job.deadline is not None and now >= job.deadline)]
+        dropped = [job for job in self._waiting if self._given_up(job, now)]
         if dropped:
             gone = set(map(id, dropped))
             self._waiting = collections.deque(job for job in self._waiting if id(job) not in gone)
-            self.expired += sum(not job.future.cancelled() for job in dropped)
         return dropped
+
+    @staticmethod
+    def _given_up(job: _Job, now: float) -> bool:
+        """Its caller cancelled it, or its deadline has passed."""
+        return job.future.cancelled() or (job.deadline is not None and now >= job.deadline)
+
+    def _end_unstarted(self, job: _Job) -> None:
+        """A call given up before it started: retired if cancelled, else failed DEADLINE_EXCEEDED.
+        From the model thread (admission) or a submitting thread (submit drops them early)."""
+        if job.future.cancelled():
+            self._retire(job)
+            return
+        with self._cond:
+            self.expired += 1
+        self._fail(job, DeadlineExceeded("deadline expired while the call waited for the model"))
 
     def snapshot(self) -> LoadSnapshot:
         with self._cond:
@@ -374,7 +384,7 @@ class BatchScheduler:
         taken = _slots_taken(self._active)
         now = self._clock()
         for job in jobs:
-            if job.future.cancelled() or (job.deadline is not None and now >= job.deadline):
+            if self._given_up(job, now):
                 yield job, _DROPPED
                 continue
             session = session_of(job.session_id)
@@ -543,13 +553,8 @@ class BatchScheduler:
 
     def _start(self, job: _Job) -> None:
         now = self._clock()
-        if job.future.cancelled():
-            self._retire(job)
-            return
-        if job.deadline is not None and now >= job.deadline:
-            with self._cond:  # (submit counts the ones it drops too)
-                self.expired += 1
-            self._fail(job, DeadlineExceeded("deadline expired while the call waited for the model"))
+        if self._given_up(job, now):
+            self._end_unstarted(job)
             return
         job.load.queue_ms = (now - job.submitted) * 1000.0
         try:

@@ -49,7 +49,7 @@ def _pem(path: str, what: str) -> bytes:
     return data
 
 
-def check_key_pair(cert: str, key: str) -> None:
+def check_key_pair(cert: str, key: str, flags: tuple[str, str] = ("--tls-cert", "--tls-key")) -> None:
     """The key is the certificate's (grpc would only find out at the first handshake, and fail it)."""
     import ssl
     try:
@@ -57,7 +57,7 @@ def check_key_pair(cert: str, key: str) -> None:
         # on the terminal, inside grpc's fetcher). grpc takes no passphrase anyway.
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=b"")
     except (ssl.SSLError, OSError) as exc:
-        raise TlsFilesError(f"--tls-cert {cert} / --tls-key {key}: {exc}") from None
+        raise TlsFilesError(f"{flags[0]} {cert} / {flags[1]} {key}: {exc}") from None
 
 
 def check_ca(path: str, flag: str) -> bytes:
@@ -158,11 +158,7 @@ def check_tls_files(server: tuple[str | None, str | None, str | None] = (None, N
         if client_cert and client_key:
             _pem(client_cert, "--worker-client-cert")
             _pem(client_key, "--worker-client-key")
-            try:
-                check_key_pair(client_cert, client_key)
-            except TlsFilesError as exc:
-                raise TlsFilesError(str(exc).replace("--tls-cert", "--worker-client-cert")
-                                    .replace("--tls-key", "--worker-client-key")) from None
+            check_key_pair(client_cert, client_key, ("--worker-client-cert", "--worker-client-key"))
     except TlsFilesError as exc:
         raise SystemExit(f"TLS: {exc}") from None
 

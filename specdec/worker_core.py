@@ -186,10 +186,9 @@ class WorkerCore:
         """Make `slot` a copy of `source_slot`'s first commit.cache_len tokens (checked like a commit),
         replacing what it held. On the model thread, between forwards: the source is never mid-forward.
         Refused before the copy where the branch could not grow by `grow_by` tokens past that."""
-        if commit.cache_len < 0:
-            raise InvalidRequest("commit.cache_len must be >= 0")
         # A fork of nothing needs no source: looked up, an absent one was created empty (and then
-        # marked the live slot, the real branch a stale copy, first to be evicted).
+        # marked the live slot, the real branch a stale copy, first to be evicted). A negative
+        # cache_len goes to _checkout, which refuses it.
         source = self._checkout(slot_key(session_id, source_slot), commit) if commit.cache_len else None
         # As begin_steps: the tokens fed must fit the context; the room reserved stops at it (a
         # call drafts no further than the context, so a branch near its end is no error).
@@ -291,10 +290,12 @@ class WorkerCore:
             raise InvalidRequest(f"slot and fork_from must be in [0, {MAX_BRANCH_SLOTS}], got {slot} and {fork_from}")
         if fork_from == slot:
             raise InvalidRequest(f"a slot cannot be forked from itself (slot {slot})")
-        if commit.cache_len + len(commit.append_tokens) + len(extra_tokens) > self.max_context:
-            # Before the per-token checks: an oversized commit was scanned token by token first.
-            raise InvalidRequest(f"sequence of {commit.cache_len + len(commit.append_tokens) + len(extra_tokens)} "
-                                 f"tokens exceeds the model context of {self.max_context}")
+        # The sequence this call feeds (what is held past cache_len moves from the feed to the kept
+        # part below, and an empty feed re-feeds one kept token: the sum stays this). Checked before
+        # the per-token checks: an oversized commit was scanned token by token first.
+        total = commit.cache_len + len(commit.append_tokens) + len(extra_tokens)
+        if total > self.max_context:
+            raise InvalidRequest(f"sequence of {total} tokens exceeds the model context of {self.max_context}")
         self.check_tokens(commit.append_tokens, "commit.append_tokens")
         self.check_tokens(extra_tokens, "tokens")
         if fork_from is not None:
@@ -317,9 +318,6 @@ class WorkerCore:
                     raise InvalidRequest("nothing to condition on: commit has cache_len=0 and no append_tokens")
                 keep -= 1
                 feed_tokens = [session.tokens[keep]]
-            total = keep + len(feed_tokens) + len(extra_tokens)
-            if total > self.max_context:
-                raise InvalidRequest(f"sequence of {total} tokens exceeds the model context of {self.max_context}")
             self._reserve(session_id, min(total + grow_by, self.max_context))
         except SpecdecError:
             if not session.tokens or fork_from is not None:  # created for this call: not kept for a refusal
