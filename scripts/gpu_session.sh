@@ -20,7 +20,7 @@ DEVICE=${DEVICE:-cuda}     # DEVICE=cpu PRESETS=... TARGET=tiny:... DRAFT=tiny:.
 PRESETS=${PRESETS:-qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-1.5b@24,qwen2.5-7b}
 CPU_TARGET=${CPU_TARGET:-tiny:preset=qwen2.5-1.5b,seed=1}   # the embedded pair's shapes, on the host CPU
 CPU_DRAFT=${CPU_DRAFT:-tiny:preset=qwen2.5-0.5b,seed=1}
-STAGES=${STAGES:-attention costs ragged flips loadtest loadtest32 netbench cpu_paths bench}
+STAGES=${STAGES:-decode_graph attention costs ragged flips loadtest loadtest32 netbench cpu_paths bench}
 START=$(date +%s)
 mkdir -p "$OUT" "$RES"
 
@@ -51,9 +51,11 @@ stage() {
     if (( budget < 30 )); then echo "== $name: skipped, $(left) s left"; return; fi
     echo "== $name (up to $budget s, $(left) s left)"
     timeout -k 5 "$budget" "$@" > "$RES/$name.log" 2>&1
-    echo "== $name rc=$? after $(( $(date +%s) - START )) s"
+    local rc=$?
+    echo "== $name rc=$rc after $(( $(date +%s) - START )) s"
     tail -n 25 "$RES/$name.log"
     pack
+    return $rc
 }
 
 if [ -d .whl ]; then
@@ -74,7 +76,15 @@ case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)" in
 esac
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
-# First: whether new attention shapes cost a cuDNN graph build each (the 2026-11-27 k > 0 slowness),
+# First: the draft's decode graph (--decode-graph, on by default for a draft on CUDA) in a worker core:
+# captured and checked, its step against an eager one, greedy through it. Where it fails the stages
+# after would measure eager drafts again: stop, and keep the device time for a fixed rerun.
+if want decode_graph; then
+    stage decode_graph 120 python3 scripts/decode_graph_costs.py --device "$DEVICE" \
+        --models "$DRAFT|tiny:preset=qwen2.5-0.5b,seed=1|$TARGET" --out "$RES/decode_graph.json" \
+        || { pack; echo "decode graph stage failed after $(( $(date +%s) - START )) s"; exit 1; }
+fi
+# Whether new attention shapes cost a cuDNN graph build each (the 2026-11-27 k > 0 slowness),
 # each setting in its own process; the other stages run with the default (off).
 want attention && stage attention 90 bash -c 'for c in on off; do python3 scripts/attention_shapes.py --model "$0" \
     --device "$1" --cudnn $c --out "$2/attention-$c.json" || exit 1; done' "$TARGET" "$DEVICE" "$RES"

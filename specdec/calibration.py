@@ -192,3 +192,23 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
                           for t in (plan.reduced_rows, plan.reduced_rows + 1)}))
     core.cost_curve = measure_cost_curve(core.model, core.vocab_size, max_tokens, contexts, max(left, 1e-9),
                                          load_tokens=load, step_tokens=steps)
+
+
+def retime_decode_steps(core: WorkerCore, reps: int = 8) -> None:
+    """Re-measure the curve's one-token points on the decode graph (specdec.decode_graph), which takes
+    a session's drafting steps: the k policy prices drafting with them, and an eager step on a GPU
+    costs 4-5x a replayed one (the orchestrator would otherwise price this draft as it runs eagerly)."""
+    from specdec.decode_graph import step_ms
+    from specdec.worker_core import WorkerSession
+    if core.decode_graph is None or not core.cost_curve.points:
+        return
+    points = []
+    for tokens, context, ms in core.cost_curve.points:
+        if tokens == 1 and context + reps + 2 < core.decode_graph.max_len:
+            replayed = step_ms(core.decode_graph, lambda: WorkerSession(cache=new_cache(core.model)),
+                               core.vocab_size, context, reps)
+            log.info("one-token step at context %d: %.2f ms on the decode graph, %.2f ms eager", context,
+                     replayed, ms)
+            ms = replayed
+        points.append((tokens, context, ms))
+    core.cost_curve = CostCurve(tuple(sorted(points)))

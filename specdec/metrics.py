@@ -46,6 +46,8 @@ class WorkerCollector:
                     ("specdec_worker_session_misses", "Calls for sessions not held (NOT_FOUND)", core.counters.session_misses),
                     ("specdec_worker_cache_mismatches", "Calls whose prefix did not match (FAILED_PRECONDITION)",
                      core.counters.cache_mismatches),
+                    ("specdec_worker_graph_steps", "One-token steps replayed from the decode graph (--decode-graph)",
+                     core.counters.graph_steps),
                     ("specdec_worker_evictions", "Sessions evicted (LRU, TTL, budget)", core.store.evictions)]
         if self.scheduler is not None:
             counters += [("specdec_worker_forwards", "Forward passes (each may batch several calls)", self.scheduler.forwards),

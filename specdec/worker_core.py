@@ -97,6 +97,7 @@ class WorkerCounters:
     prefilled_tokens: int = 0
     session_misses: int = 0
     cache_mismatches: int = 0
+    graph_steps: int = 0  # one-token steps taken by the decode graph (specdec.decode_graph)
 
 
 class WorkerCore:
@@ -113,6 +114,9 @@ class WorkerCore:
         # Set by startup calibration (specdec.calibration); reported in GetInfo.
         self.cost_curve = CostCurve()
         self.gemm_path = ""
+        # One-token steps of a session alone replayed from a CUDA graph (enable_decode_graph).
+        self.decode_graph: Any = None
+        self.decode_path = "eager"
         # Estimated from the config so that even the first request is checked against the budget;
         # replaced by the measured value after the first forward.
         self._bytes_per_token = estimate_kv_bytes_per_token(loaded.model)
@@ -199,6 +203,28 @@ class WorkerCore:
         key = slot_key(session_id, slot)
         self.store.put(key, branch)  # its room in the budget: the call's reservation (begin_steps)
 
+    def enable_decode_graph(self, capture: bool, max_len: int) -> None:
+        """Take one-token steps of a session alone on a static buffer (specdec.decode_graph), replayed
+        from a CUDA graph where `capture`. Checked against plain steps first: where it cannot be built
+        or does not agree, the worker stays on eager steps and says why (decode_path)."""
+        from specdec.decode_graph import GraphDecoder, check_against_eager
+        max_len = max(2, min(max_len, self.max_context))
+        kind = "CUDA graph" if capture else "static buffer, not captured"
+        try:
+            decoder = GraphDecoder(self.model, max_len, capture)
+            problem = check_against_eager(decoder, lambda: WorkerSession(cache=new_cache(self.model)),
+                                          self.vocab_size)
+        except Exception as exc:  # noqa: BLE001 - any failure to build or capture: eager steps, said why
+            log.exception("%s worker: decode graph failed", self.role)
+            problem = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if problem:
+            self.decode_path = f"eager ({kind} refused: {problem})"
+            log.warning("%s worker: one-token steps stay eager: %s", self.role, problem)
+            return
+        self.decode_graph = decoder
+        self.decode_path = f"{kind}, {max_len} positions ({decoder.nbytes / 2**20:.0f} MiB buffer)"
+        log.info("%s worker: one-token steps of a session alone: %s", self.role, self.decode_path)
+
     # ------------------------------------------------------------------ compute
     @torch.inference_mode()
     def feed(self, session: WorkerSession, tokens: Sequence[int], logits_rows: int = 0) -> torch.Tensor:
@@ -209,6 +235,16 @@ class WorkerCore:
         ids and a few probabilities cross to the host. Asking for the rows that are used only also
         skips the LM head (a [V, hidden] GEMM) for the rest of a prefill.
         """
+        if self.decode_graph is not None and len(tokens) == 1 and logits_rows in (0, 1):
+            try:
+                logits = self.decode_graph.step(session, tokens[0])
+            except BaseException:
+                self._discard(session)
+                raise
+            if logits is not None:
+                self.counters.graph_steps += 1
+                self._fed(session, tokens)
+                return logits
         input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         try:
             out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,

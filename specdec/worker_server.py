@@ -12,7 +12,10 @@ from typing import Any, TypeVar
 import grpc
 
 from specdec import grpc_util
-from specdec.calibration import GEMM_PATHS, calibrate
+from specdec.calibration import GEMM_PATHS, calibrate, retime_decode_steps
+from specdec.decode_graph import DECODE_GRAPH_MODES
+from specdec.decode_graph import DEFAULT_MAX_LEN as DEFAULT_GRAPH_LEN
+from specdec.decode_graph import resolve_mode as resolve_decode_graph
 from specdec.errors import DeadlineExceeded
 from specdec.v1 import common_pb2
 from specdec.contract import MAX_BRANCH_SLOTS, MAX_K, CallStats, CostCurve, validate_session_id
@@ -82,7 +85,8 @@ class WorkerServicerBase:
             max_batch=self.scheduler.limits.max_batch,
             batching=("one forward per call: " + self.core.ragged_unsupported) if self.core.ragged_unsupported
             else f"ragged, attention {self.core.attention_path}", utilisation=snapshot.utilisation, active_calls=snapshot.active,
-            waiting_calls=snapshot.waiting, branch_slots=MAX_BRANCH_SLOTS if self.core.role == "draft" else 0)
+            waiting_calls=snapshot.waiting, branch_slots=MAX_BRANCH_SLOTS if self.core.role == "draft" else 0,
+            decode_path=self.core.decode_path)
 
     def close(self) -> None:
         self.scheduler.close()
@@ -153,6 +157,15 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
                              "auto (no effect where nothing was measured); 0: off, the budget of --prefill-chunk")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="calls waiting for a batch slot; more are refused with RESOURCE_EXHAUSTED")
+    parser.add_argument("--decode-graph", default="auto", choices=DECODE_GRAPH_MODES,
+                        help="one-token steps of a session alone in a forward: on, replayed from a CUDA graph "
+                             "over a static KV buffer (checked against eager steps at startup, eager where it "
+                             "disagrees); static, the same without capture (any device: for checks); off, eager. "
+                             "auto: on for the draft on CUDA, else off (the target's greedy output stays "
+                             "eager generate's)")
+    parser.add_argument("--decode-graph-len", type=int, default=DEFAULT_GRAPH_LEN,
+                        help="positions of the decode graph's KV buffer (capped at the model's context); "
+                             "longer sessions draft eagerly. Each step attends over all of them")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     parser.add_argument("--drain-delay-s", type=float, default=0.0,
                         help="on SIGTERM, report NOT_SERVING this long before refusing new calls")
@@ -223,6 +236,8 @@ def check_worker_flags(args: argparse.Namespace) -> None:
         raise SystemExit("--max-batch and --max-batch-tokens must be >= 1, --max-queue and --batch-window-ms >= 0; "
                          f"got {args.max_batch}, {args.max_batch_tokens}, {args.max_queue}, {args.batch_window_ms}")
     _fixed_prefill_chunk(args)
+    if args.decode_graph_len < 2:
+        raise SystemExit(f"--decode-graph-len must be >= 2 positions, got {args.decode_graph_len}")
     from specdec import security
     security.check_tls_flags(args, {"--tls-cert": ("--tls-key",), "--tls-key": ("--tls-cert",),
                                     "--tls-client-ca": ("--tls-cert", "--tls-key")})
@@ -248,12 +263,23 @@ async def serve_worker(args: argparse.Namespace, role: str,
     set_torch_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, role, device)
+    try:
+        decode_graph = resolve_decode_graph(args.decode_graph, role, device)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     log.info("loading %s model %s (%s on %s)", role, args.model, dtype, device)
     loaded = await asyncio.to_thread(load_model, args.model, dtype, str(device))
     core = WorkerCore(loaded, role, store_limits(args))
     await asyncio.to_thread(calibrate, core, args.max_k, args.calibration_s, args.gemm_path,
                             reduced_copy_kinds(args.dtype, role, device, int4=args.int4 == "auto"))
-    servicer = make_servicer(core, batch_limits(args, core.cost_curve, role))
+    # The scheduler sizes prompt chunks against what forwards of several rows cost, which the decode
+    # graph does not change: from the eager curve. GetInfo reports the graph's one-token steps.
+    limits = batch_limits(args, core.cost_curve, role)
+    if decode_graph != "off":
+        await asyncio.to_thread(core.enable_decode_graph, decode_graph == "on", args.decode_graph_len)
+        if core.decode_graph is not None and args.calibration_s > 0:
+            await asyncio.to_thread(retime_decode_steps, core)
+    servicer = make_servicer(core, limits)
     handle = await grpc_util.start_server(lambda server: register(servicer, server), [service_name],
                                           host=args.host, port=args.port, credentials=credentials,
                                           health_port=args.health_port)

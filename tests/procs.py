@@ -10,11 +10,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def spawn(module: str, args: list[str], tmp_path: Path, timeout_s: float = 90.0) -> tuple[subprocess.Popen, int]:
+def spawn(module: str, args: list[str], tmp_path: Path, timeout_s: float = 90.0,
+          log_level: str = "WARNING") -> tuple[subprocess.Popen, int]:
     port_file = tmp_path / f"{module}-{uuid.uuid4().hex[:8]}.port"
     log = open(tmp_path / f"{module}.log", "a")
     proc = subprocess.Popen([sys.executable, "-m", module, *args, "--port-file", str(port_file),
-                             "--log-level", "WARNING"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                             "--log-level", log_level], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
     while not port_file.exists():
         if proc.poll() is not None:
@@ -31,10 +32,10 @@ def spawn_worker(role: str, model: str, tmp_path: Path, port: int = 0) -> tuple[
                  tmp_path)
 
 
-async def aspawn(module: str, args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, int]:
+async def aspawn(module: str, args: list[str], tmp_path: Path, log_level: str = "WARNING") -> tuple[subprocess.Popen, int]:
     """spawn() without blocking the event loop (in-process servers must keep answering meanwhile)."""
     import asyncio
-    return await asyncio.to_thread(spawn, module, args, tmp_path)
+    return await asyncio.to_thread(spawn, module, args, tmp_path, 90.0, log_level)
 
 
 async def aspawn_worker(role: str, model: str, tmp_path: Path, port: int = 0) -> tuple[subprocess.Popen, int]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibration-s", type=float, default=20.0,
                         help="each worker's startup measuring budget (the workers' own default; with one "
                         "thread each, 10 s left the GEMM-path plans partial)")
+    parser.add_argument("--worker-args", default="",
+                        help="more flags for both workers, e.g. \"--decode-graph off\" (one string)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="passes over the prompts at each latency (the spread between passes is reported)")
     parser.add_argument("--systems", default=None,
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     for latency in latencies:
         orch_args = ["--log-level", "WARNING", "--emulate-one-way-latency-ms", str(latency)]
         orch_args += ["--config", str(orch_config)]
-        worker_args = ["--calibration-s", str(args.calibration_s)]
+        worker_args = ["--calibration-s", str(args.calibration_s), *shlex.split(args.worker_args)]
         cpu_sets = {"target": args.target_cpus, "draft": args.draft_cpus}
         trace = out / f"rounds-{latency:g}ms.jsonl"
         trace.unlink(missing_ok=True)

@@ -71,7 +71,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "model_ref", "vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "sessions", "cache_bytes", "cache_budget_bytes", "forward_costs", "gemm_path", "max_batch", "batching", "utilisation", "active_calls", "waiting_calls", "branch_slots")
+    __slots__ = ("role", "model_ref", "vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "sessions", "cache_bytes", "cache_budget_bytes", "forward_costs", "gemm_path", "max_batch", "batching", "utilisation", "active_calls", "waiting_calls", "branch_slots", "decode_path")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_REF_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class WorkerInfo(_message.Message):
     ACTIVE_CALLS_FIELD_NUMBER: _ClassVar[int]
     WAITING_CALLS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PATH_FIELD_NUMBER: _ClassVar[int]
     role: str
     model_ref: str
     vocab_size: int
@@ -106,7 +107,8 @@ class WorkerInfo(_message.Message):
     active_calls: int
     waiting_calls: int
     branch_slots: int
-    def __init__(self, role: _Optional[str] = ..., model_ref: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., forward_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., gemm_path: _Optional[str] = ..., max_batch: _Optional[int] = ..., batching: _Optional[str] = ..., utilisation: _Optional[float] = ..., active_calls: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., branch_slots: _Optional[int] = ...) -> None: ...
+    decode_path: str
+    def __init__(self, role: _Optional[str] = ..., model_ref: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_budget_bytes: _Optional[int] = ..., forward_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., gemm_path: _Optional[str] = ..., max_batch: _Optional[int] = ..., batching: _Optional[str] = ..., utilisation: _Optional[float] = ..., active_calls: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., branch_slots: _Optional[int] = ..., decode_path: _Optional[str] = ...) -> None: ...
 
 class ForwardCost(_message.Message):
     __slots__ = ("tokens", "context", "ms")

@@ -1,0 +1,247 @@
+"""One-token decode steps replayed from a CUDA graph: the draft's drafting steps on a GPU.
+
+Why: on a GPU an eager transformers step is host-bound (Python and kernel launches), so a small
+draft costs nearly what the target does. Measured on an H200 (docs/bench/nvidia-h200-synthetic/
+2026-11-28, "graphs"): the 24-layer draft's step 14.95 ms eager against 3.45 ms replayed from a
+graph, the 28-layer target's 17.75 ms eager; the draft's cost ratio c falls from about 0.8, where
+speculation cannot win, to about 0.2.
+
+How: one static KV buffer (transformers' StaticCache, batch 1, `max_len` positions) mirrors the
+session being drafted for. Before a step, the rows of the session's own DynamicCache that the buffer
+does not hold yet are copied in (after a round's catch-up forward: a few rows; for another session:
+its whole prefix). The captured step writes the token's K/V at the write position, attends over the
+buffer (the causal mask from cache_position hides the rows past it) and returns the logits; the new
+row is then appended to the session's DynamicCache, which stays what every other path (crops, forks,
+batched forwards, eviction) works on. Without capture ("static", any device) the same steps run
+eagerly: what the CPU tests check against plain steps.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from specdec.contract import common_prefix_len
+
+log = logging.getLogger(__name__)
+
+DECODE_GRAPH_MODES = ("auto", "on", "static", "off")
+# The buffer's positions unless set: the attention of each step spans all of them, and a session
+# longer than this drafts eagerly.
+DEFAULT_MAX_LEN = 8192
+# The startup check: each step's logits against a plain step's, as the relative L2 error. A graph
+# that replays a stale position or mask is off by the logits' own size; rounding is not: bf16 sums
+# the attention over the buffer in another order than the plain path, float32 agrees to ~1e-6.
+CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2, torch.bfloat16: 1e-1}
+# The replay against the same kernels run eagerly on the same buffer: the same numbers, unless the
+# capture froze what must change from step to step.
+REPLAY_TOLERANCE = 1e-3
+
+
+class DecodeGraphUnsupported(RuntimeError):
+    """The model's cache layers are not the plain kind the buffer mirrors."""
+
+
+def resolve_mode(mode: str, role: str, device: torch.device) -> str:
+    """"auto": a graph for the draft on CUDA (the target's greedy output must equal eager
+    `generate`'s, and bf16 static steps round differently), else off."""
+    if mode not in DECODE_GRAPH_MODES:
+        raise ValueError(f"decode graph mode must be one of {', '.join(DECODE_GRAPH_MODES)}, got {mode!r}")
+    if mode == "auto":
+        return "on" if role == "draft" and device.type == "cuda" else "off"
+    if mode == "on" and device.type != "cuda":
+        raise ValueError("--decode-graph on needs a CUDA device (static runs the same steps without capture)")
+    return mode
+
+
+class GraphDecoder:
+    """One-token steps of one session at a time over a static KV buffer; see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, max_len: int, capture: bool) -> None:
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+        self.model = model
+        self.max_len = max_len
+        self.device = next(model.parameters()).device
+        self.captured = capture
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        if not self.cache.layers or any(type(layer) is not StaticLayer for layer in self.cache.layers):
+            raise DecodeGraphUnsupported("the model's static cache has sliding-window or other special layers")
+        self.token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self.position = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._length = -1  # what every layer's write counter holds (-1: unknown, set before a step)
+        # The session whose first len(self._held) tokens' K/V the buffer rows hold (its own rows,
+        # so a step computes from exactly what the session's cache has).
+        self._resident: weakref.ref[Any] | None = None
+        self._held: list[int] = []
+        self.steps = 0
+        self._graph: torch.cuda.CUDAGraph | None = None
+        with torch.inference_mode():
+            self._set_length(0)
+            self._forward()  # allocates the buffer (the layers initialise on their first write)
+            if capture:
+                self._capture()
+        self._length = -1
+        self.nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers)
+
+    def _forward(self) -> torch.Tensor:
+        return self.model(input_ids=self.token, past_key_values=self.cache, use_cache=True,
+                          cache_position=self.position, logits_to_keep=1).logits
+
+    def _capture(self) -> None:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # warm the kernels (and any lazy set-up) outside the capture
+                self._set_length(0)
+                self._forward()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._graph = torch.cuda.CUDAGraph()
+        self._set_length(0)
+        with torch.cuda.graph(self._graph):
+            self._logits = self._forward()
+        torch.cuda.synchronize(self.device)
+
+    def _set_length(self, length: int) -> None:
+        """Point every layer's write counter at `length` (the captured step advances them by one)."""
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.fill_(length)
+
+    def _load(self, session: Any, token: int) -> tuple[int, int] | None:
+        """Make the buffer hold the session's rows and point the step at its next position: (its
+        length, the rows the buffer held of it already), or None where this path cannot take it."""
+        length = len(session.tokens)
+        layers = getattr(session.cache, "layers", None)
+        if not 0 < length < self.max_len or not layers or len(layers) != len(self.cache.layers):
+            return None
+        if any(getattr(layer, "keys", None) is None or layer.keys.shape[-2] != length for layer in layers):
+            return None  # not a plain cache of the session's tokens: leave it to the eager path
+        resident = self._resident() if self._resident is not None else None
+        held = common_prefix_len(self._held, session.tokens) if resident is session else 0
+        if held < length:
+            for mirror, own in zip(self.cache.layers, layers):
+                mirror.keys[:, :, held:length].copy_(own.keys[:, :, held:length])
+                mirror.values[:, :, held:length].copy_(own.values[:, :, held:length])
+        if self._length != length:
+            self._set_length(length)
+        self.position.fill_(length)
+        self.token.fill_(token)
+        return length, held
+
+    def _run(self) -> torch.Tensor:
+        if self._graph is not None:
+            self._graph.replay()
+            return self._logits
+        return self._forward()
+
+    @torch.inference_mode()
+    def step(self, session: Any, token: int) -> torch.Tensor | None:
+        """The float32 logits [1, V] after feeding `token` on top of `session` (a WorkerSession: its
+        `cache` and `tokens`), whose cache gains the token's row; None where this path cannot take
+        the step (then nothing changed: the caller runs it eagerly)."""
+        try:
+            loaded = self._load(session, token)
+            if loaded is None:
+                return None
+            length, held = loaded
+            logits = self._run()
+            self._length = length + 1
+            for mirror, own in zip(self.cache.layers, session.cache.layers):
+                own.update(mirror.keys[:, :, length:length + 1], mirror.values[:, :, length:length + 1])
+        except BaseException:
+            self.forget()
+            raise
+        self._resident = weakref.ref(session)
+        del self._held[held:]
+        self._held.extend(session.tokens[held:])
+        self._held.append(token)
+        self.steps += 1
+        return logits[0, -1:].to(torch.float32, copy=True)
+
+    @torch.inference_mode()
+    def replay_error(self, session: Any, token: int) -> float | None:
+        """The relative L2 error between the replayed step and the same step run eagerly on the same
+        buffer (the same kernels: ~0 unless the capture froze something it should not have, such as
+        a position). Leaves the session as it was; None where the step is not this path's."""
+        if self._graph is None:
+            return 0.0
+        try:
+            loaded = self._load(session, token)
+            if loaded is None:
+                return None
+            length, _ = loaded
+            eager = self._forward()[0, -1].float()  # writes the token's row at `length`, as the replay will
+            self._set_length(length)
+            replayed = self._run()[0, -1].float()
+            return ((replayed - eager).norm() / eager.norm().clamp_min(1e-6)).item()
+        finally:
+            self.forget()  # the buffer holds a row the session does not: reload it next time
+
+    def forget(self) -> None:
+        self._resident, self._held, self._length = None, [], -1
+
+
+def check_against_eager(decoder: GraphDecoder, new_session: Any, vocab_size: int, steps: int = 6) -> str | None:
+    """None where the decoder's steps match plain one-token forwards on a copy of the same cache
+    (two sessions, interleaved, so the buffer switches between them); else what differed."""
+    from specdec.models import copy_cache
+    model, device = decoder.model, decoder.device
+    dtype = next(model.parameters()).dtype
+    tolerance = CHECK_TOLERANCE.get(dtype, 1e-1)
+    gen = torch.Generator().manual_seed(2)
+    sessions, worst = [], 0.0
+    with torch.inference_mode():
+        for prefix in (12, 7):
+            session = new_session()
+            ids = torch.randint(0, vocab_size, (1, prefix), generator=gen)
+            model(input_ids=ids.to(device), past_key_values=session.cache, use_cache=True, logits_to_keep=1)
+            session.tokens.extend(ids[0].tolist())
+            sessions.append(session)
+        for i in range(steps):
+            session = sessions[i % 2]
+            token = int(torch.randint(0, vocab_size, (1,), generator=gen))
+            plain_cache = copy_cache(session.cache, len(session.tokens))
+            plain = model(input_ids=torch.tensor([[token]], device=device), past_key_values=plain_cache,
+                          use_cache=True, logits_to_keep=1).logits[0, -1:].float()
+            replay = decoder.replay_error(session, token)
+            if replay is None or not replay <= REPLAY_TOLERANCE:
+                return f"step {i}: the replayed graph differs from the same step run eagerly by {replay}"
+            got = decoder.step(session, token)
+            if got is None:
+                return f"step {i} was not taken"
+            session.tokens.append(token)
+            error = ((got - plain).norm() / plain.norm().clamp_min(1e-6)).item()
+            worst = max(worst, error)
+            if not error <= tolerance:
+                return f"step {i}: logits differ by {error:.3g} of their norm (tolerance {tolerance:g})"
+    decoder.forget()
+    log.info("decode graph agrees with plain steps: at most %.3g of the logits' norm over %d steps", worst, steps)
+    return None
+
+
+def step_ms(decoder: GraphDecoder, new_session: Any, vocab_size: int, context: int, reps: int = 8) -> float:
+    """Median ms of one step at about `context` cached tokens (each at the next position, as decoding)."""
+    from specdec.models import synchronize
+    gen = torch.Generator().manual_seed(3)
+    session = new_session()
+    with torch.inference_mode():
+        ids = torch.randint(0, vocab_size, (1, context), generator=gen)
+        decoder.model(input_ids=ids.to(decoder.device), past_key_values=session.cache, use_cache=True,
+                      logits_to_keep=1)
+        session.tokens.extend(ids[0].tolist())
+        times = []
+        for _ in range(reps + 1):
+            token = int(torch.randint(0, vocab_size, (1,), generator=gen))
+            synchronize(decoder.device)
+            start = time.perf_counter()
+            decoder.step(session, token)
+            synchronize(decoder.device)
+            times.append((time.perf_counter() - start) * 1000.0)
+            session.tokens.append(token)
+    decoder.forget()
+    return statistics.median(times[1:])  # the first copies the whole prefix in

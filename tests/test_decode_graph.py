@@ -1,0 +1,244 @@
+"""The decode graph's path (specdec.decode_graph) on the CPU: the same steps without capture ("static")
+must compute what plain steps do, through session switches, crops, forks, failures and sessions
+longer than the buffer; a decoder that disagrees is refused at startup. CUDA capture itself runs only
+on a GPU (scripts/gpu_session.sh); what it replays is this path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_worker.engine import DraftEngine, ProposeParams
+from specdec.contract import Commit, SamplingConfig, prefix_hash
+from specdec.decode_graph import GraphDecoder, check_against_eager, resolve_mode
+from specdec.models import copy_cache, load_model, new_cache
+from specdec.worker_core import WorkerCore, WorkerSession
+
+REF = "tiny:seed=3,layers=2"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(REF)
+
+
+def _plain_step(model: torch.nn.Module, session: WorkerSession, token: int) -> torch.Tensor:
+    cache = copy_cache(session.cache, len(session.tokens))
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+                     logits_to_keep=1).logits[0, -1:].float()
+
+
+def test_static_steps_match_plain_steps_across_switches_crops_and_forks(loaded) -> None:
+    core = WorkerCore(loaded, "draft")
+    core.enable_decode_graph(capture=False, max_len=64)
+    assert core.decode_graph is not None, core.decode_path
+    assert core.decode_path.startswith("static buffer")
+    model = loaded.model
+    a = WorkerSession(cache=new_cache(model))
+    b = WorkerSession(cache=new_cache(model))
+    core.feed(a, list(range(10, 30)), logits_rows=1)
+    core.feed(b, list(range(40, 45)), logits_rows=1)
+
+    def check(session: WorkerSession, token: int) -> None:
+        expected = _plain_step(model, session, token)
+        before = core.counters.graph_steps
+        got = core.feed(session, [token], logits_rows=1)
+        assert core.counters.graph_steps == before + 1  # taken by the decoder, not the eager path
+        assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+        # The session's own cache gained exactly the token's row.
+        assert all(layer.keys.shape[-2] == len(session.tokens) for layer in session.cache.layers)
+
+    for token in (5, 6, 7):
+        check(a, token)
+    check(b, 8)            # another session: its whole prefix copied in
+    check(a, 9)            # and back
+    core.truncate(a, 12)   # cropped, then other tokens: the buffer's later rows are stale
+    core.feed(a, [100, 101], logits_rows=1)
+    check(a, 102)
+    fork = WorkerSession(copy_cache(a.cache, 14), list(a.tokens[:14]))  # a branch: a new session object
+    check(fork, 103)
+    check(a, 104)
+
+
+def test_eager_feeds_between_steps_and_multi_row_feeds_stay_eager(loaded) -> None:
+    core = WorkerCore(loaded, "draft")
+    core.enable_decode_graph(capture=False, max_len=64)
+    session = WorkerSession(cache=new_cache(loaded.model))
+    core.feed(session, [1, 2, 3, 4], logits_rows=1)
+    assert core.counters.graph_steps == 0  # several rows: eager
+    core.feed(session, [5], logits_rows=1)
+    core.feed(session, [6, 7], logits_rows=2)  # eager rows after a graph step (a catch-up)
+    expected = _plain_step(loaded.model, session, 8)
+    assert torch.allclose(core.feed(session, [8], logits_rows=1), expected, atol=1e-4)
+    assert core.counters.graph_steps == 2
+
+
+def test_sessions_longer_than_the_buffer_step_eagerly(loaded) -> None:
+    core = WorkerCore(loaded, "draft")
+    core.enable_decode_graph(capture=False, max_len=16)
+    session = WorkerSession(cache=new_cache(loaded.model))
+    core.feed(session, list(range(3, 17)), logits_rows=1)  # 14 tokens
+    core.feed(session, [20], logits_rows=1)                 # position 14: in the buffer
+    assert core.counters.graph_steps == 1
+    expected = _plain_step(loaded.model, session, 21)
+    assert torch.allclose(core.feed(session, [21], logits_rows=1), expected, atol=1e-4)  # position 15: last row
+    assert core.counters.graph_steps == 2
+    expected = _plain_step(loaded.model, session, 22)
+    assert torch.allclose(core.feed(session, [22], logits_rows=1), expected, atol=1e-4)  # past it: eager
+    assert core.counters.graph_steps == 2
+
+
+def test_a_failed_step_discards_the_session_and_the_buffer_forgets_it(loaded, monkeypatch) -> None:
+    core = WorkerCore(loaded, "draft")
+    core.enable_decode_graph(capture=False, max_len=64)
+    session = WorkerSession(cache=new_cache(loaded.model))
+    core.feed(session, list(range(3, 13)), logits_rows=1)
+    core.feed(session, [5], logits_rows=1)
+
+    def broken() -> torch.Tensor:
+        raise RuntimeError("device fault")
+    monkeypatch.setattr(core.decode_graph, "_forward", broken)
+    with pytest.raises(RuntimeError, match="device fault"):
+        core.feed(session, [6], logits_rows=1)
+    assert session.tokens == [] and core.decode_graph._held == []  # re-prefilled by its next commit
+    monkeypatch.undo()
+    core.feed(session, [7, 8, 9], logits_rows=1)
+    expected = _plain_step(loaded.model, session, 10)
+    assert torch.allclose(core.feed(session, [10], logits_rows=1), expected, atol=1e-4)
+
+
+def test_a_decoder_that_disagrees_with_eager_steps_is_refused(loaded, monkeypatch) -> None:
+    original = GraphDecoder._forward
+
+    def off_by_a_little(self: GraphDecoder) -> torch.Tensor:
+        return original(self) + 0.5
+    monkeypatch.setattr(GraphDecoder, "_forward", off_by_a_little)
+    core = WorkerCore(loaded, "draft")
+    core.enable_decode_graph(capture=False, max_len=64)
+    assert core.decode_graph is None
+    assert core.decode_path.startswith("eager (static buffer, not captured refused: step 0: logits differ by")
+    monkeypatch.undo()
+    decoder = GraphDecoder(loaded.model, 64, capture=False)
+    assert check_against_eager(decoder, lambda: WorkerSession(cache=new_cache(loaded.model)), loaded.vocab_size) is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_proposals_are_the_same_with_the_static_decoder(loaded, temperature: float) -> None:
+    plain_core = WorkerCore(loaded, "draft")
+    plain = DraftEngine(plain_core)
+    one_row_feeds = []
+    eager_feed = plain_core.feed
+
+    def counted(session: WorkerSession, tokens, logits_rows: int = 0) -> torch.Tensor:
+        one_row_feeds.append(len(tokens) == 1)
+        return eager_feed(session, tokens, logits_rows)
+    plain_core.feed = counted  # type: ignore[method-assign]
+    static_core = WorkerCore(loaded, "draft")
+    static_core.enable_decode_graph(capture=False, max_len=128)
+    static = DraftEngine(static_core)
+    sampling = SamplingConfig(temperature=temperature, seed=5)
+    tokens = [(11 * i) % 200 + 3 for i in range(24)]
+    cache_len = 0
+    for round_ in range(4):
+        params = ProposeParams("s", Commit(cache_len, prefix_hash(tokens[:cache_len]), tuple(tokens[cache_len:])),
+                               5, sampling)
+        a, b = plain.propose(params), static.propose(params)
+        assert a.tokens == b.tokens, round_
+        for qa, qb in zip(a.q, b.q):
+            assert qa.token_ids.tolist() == qb.token_ids.tolist()
+            assert torch.allclose(qa.probs, qb.probs, atol=1e-4)
+        # The target accepted two of them and corrected the third.
+        cache_len = len(tokens)
+        tokens = tokens + a.tokens[:2] + [(a.tokens[2] + 1) % 200]
+    # Every one-token forward (the drafting steps, and a catch-up of one token) went to the decoder.
+    assert static_core.counters.graph_steps == sum(one_row_feeds) >= 4 * 4
+
+
+def test_mode_resolution() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_mode("auto", "draft", cuda) == "on"
+    assert resolve_mode("auto", "target", cuda) == "off"  # the target's greedy output stays eager generate's
+    assert resolve_mode("auto", "draft", cpu) == "off"
+    assert resolve_mode("static", "target", cpu) == "static"
+    assert resolve_mode("off", "draft", cuda) == "off"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_mode("on", "draft", cpu)
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_mode("yes", "draft", cpu)
+
+
+async def test_a_worker_started_with_the_static_decoder_reports_it_and_serves(tmp_path) -> None:
+    """The flag through a real worker process: GetInfo names the path, the one-token cost it priced
+    is the decoder's, Propose serves from it, and its metric counts the steps."""
+    import urllib.request
+
+    import grpc
+
+    from specdec.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+    from tests.procs import aspawn, stop
+    proc, port = await aspawn("draft_worker", ["--model", REF, "--port", "0", "--threads", "1", "--calibration-s", "1",
+                                               "--decode-graph", "static", "--decode-graph-len", "256",
+                                               "--metrics-port", "0"], tmp_path, log_level="INFO")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = worker_pb2_grpc.DraftWorkerStub(channel)
+            info = await stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30)
+            assert info.decode_path.startswith("static buffer, not captured, 256 positions"), info.decode_path
+            assert any(cost.tokens == 1 for cost in info.forward_costs)
+            reply = await stub.Propose(worker_pb2.ProposeRequest(
+                session_id="s", commit={"cache_len": 0, "append_tokens": list(range(3, 20))}, k=4), timeout=30)
+            assert len(reply.tokens) == 4
+        log_text = (tmp_path / "draft_worker.log").read_text()
+        assert "on the decode graph" in log_text  # the one-token points were re-timed on it
+        import re
+        metrics_port = int(re.search(r"metrics on http://\S+:(\d+)/metrics", log_text).group(1))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        steps = re.search(r"^specdec_worker_graph_steps(?:_total)?\{[^}]*\} (\S+)$", body, re.M)
+        assert steps and float(steps.group(1)) >= 3, body  # k = 4: the drafting steps after the prefill
+    finally:
+        stop(proc)
+
+
+async def test_a_worker_refuses_a_graph_it_cannot_have_before_loading() -> None:
+    import argparse
+
+    from specdec.worker_server import add_worker_args, check_worker_flags
+    parser = argparse.ArgumentParser()
+    add_worker_args(parser, "tiny:seed=0")
+    with pytest.raises(SystemExit, match="--decode-graph-len must be >= 2"):
+        check_worker_flags(parser.parse_args(["--decode-graph-len", "1"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--decode-graph", "maybe"])
+
+
+class EagerReplay:
+    """Stands in for a captured CUDA graph on the CPU: replay() runs the captured step's kernels, or,
+    `frozen_at` a position, what a capture that froze the position as a constant would run."""
+
+    def __init__(self, decoder: GraphDecoder, frozen_at: int | None = None) -> None:
+        self.decoder, self.frozen_at = decoder, frozen_at
+
+    def replay(self) -> None:
+        if self.frozen_at is not None:
+            self.decoder.position.fill_(self.frozen_at)
+            self.decoder._set_length(self.frozen_at)
+        self.decoder._logits = self.decoder._forward()
+
+
+def test_the_startup_check_refuses_a_replay_that_froze_the_position(loaded) -> None:
+    def new_session() -> WorkerSession:
+        return WorkerSession(cache=new_cache(loaded.model))
+    decoder = GraphDecoder(loaded.model, 64, capture=False)
+    decoder._graph = EagerReplay(decoder)  # type: ignore[assignment]
+    assert check_against_eager(decoder, new_session, loaded.vocab_size) is None
+    session = new_session()
+    core = WorkerCore(loaded, "draft")
+    core.decode_graph = decoder
+    core.feed(session, list(range(3, 15)), logits_rows=1)
+    expected = _plain_step(loaded.model, session, 9)
+    assert torch.allclose(core.feed(session, [9], logits_rows=1), expected, atol=1e-4)  # through replay()
+
+    frozen = GraphDecoder(loaded.model, 64, capture=False)
+    frozen._graph = EagerReplay(frozen, frozen_at=3)  # type: ignore[assignment]
+    problem = check_against_eager(frozen, new_session, loaded.vocab_size)
+    assert problem is not None and "the replayed graph differs from the same step run eagerly" in problem
