@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--greedy-steps", type=int, default=48)
+    parser.add_argument("--buffer-lengths", default="512,4096", help="bare decoders timed at these buffer lengths")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -89,6 +90,19 @@ def main() -> None:
                 replayed = step_times(core, context, args.reps, graph=True)
                 entry[f"step_ms@{context}"] = {"eager": round(eager, 3), "graph": round(replayed, 3),
                                                "graph/eager": round(replayed / eager, 3)}
+            # The buffer's length sets what each step's attention spans (transformers expands the KV
+            # heads under a mask), and the steps of a batch take turns on the one buffer.
+            from specdec.decode_graph import GraphDecoder, step_ms
+
+            def new_session() -> WorkerSession:
+                return WorkerSession(cache=new_cache(core.model))
+            entry["turns_ms@128"] = round(step_ms(core.decode_graph, new_session, core.vocab_size, 128, args.reps,
+                                                  sessions=2), 3)
+            for length in (int(n) for n in args.buffer_lengths.split(",") if n):
+                bare = GraphDecoder(core.model, length, capture=device.type == "cuda")
+                entry[f"bare_step_ms@128,buffer={length}"] = round(step_ms(bare, new_session, core.vocab_size, 128,
+                                                                           args.reps), 3)
+                del bare
             prompt = torch.randint(0, core.vocab_size // 2, (24,), generator=torch.Generator().manual_seed(7)).tolist()
             a = greedy(core, prompt, args.greedy_steps, graph=False)
             b = greedy(core, prompt, args.greedy_steps, graph=True)

@@ -197,18 +197,36 @@ def calibrate(core: WorkerCore, max_k: int, budget_s: float, gemm_path: str = "a
 def retime_decode_steps(core: WorkerCore, reps: int = 8) -> None:
     """Re-measure the curve's one-token points on the decode graph (specdec.decode_graph), which takes
     a session's drafting steps: the k policy prices drafting with them, and an eager step on a GPU
-    costs 4-5x a replayed one (the orchestrator would otherwise price this draft as it runs eagerly)."""
+    costs 2-4x a replayed one (the orchestrator would otherwise price this draft as it runs eagerly).
+    Also sets how many sessions' one-token steps run one after the other on the graph rather than as
+    one eager forward (WorkerCore.graph_batch_limit): while that costs less by the eager curve."""
     from specdec.decode_graph import step_ms
     from specdec.worker_core import WorkerSession
     if core.decode_graph is None or not core.cost_curve.points:
         return
+    eager = core.cost_curve
+
+    def new_session() -> WorkerSession:
+        return WorkerSession(cache=new_cache(core.model))
     points = []
-    for tokens, context, ms in core.cost_curve.points:
+    for tokens, context, ms in eager.points:
         if tokens == 1 and context + reps + 2 < core.decode_graph.max_len:
-            replayed = step_ms(core.decode_graph, lambda: WorkerSession(cache=new_cache(core.model)),
-                               core.vocab_size, context, reps)
+            replayed = step_ms(core.decode_graph, new_session, core.vocab_size, context, reps)
             log.info("one-token step at context %d: %.2f ms on the decode graph, %.2f ms eager", context,
                      replayed, ms)
             ms = replayed
         points.append((tokens, context, ms))
     core.cost_curve = CostCurve(tuple(sorted(points)))
+    context = min(c for _, c, _ in eager.points)
+    if context + 2 * reps + 4 < core.decode_graph.max_len:
+        turns = step_ms(core.decode_graph, new_session, core.vocab_size, context, reps, sessions=2)
+        limit = 1
+        for sessions in range(2, BATCHED_PATH_ROWS + 1):
+            rows_ms = eager.ms(sessions)
+            if rows_ms is None or sessions * turns > rows_ms:
+                break
+            limit = sessions
+        core.graph_batch_limit = limit
+        log.info("decode graph: a step taking turns between sessions %.2f ms; up to %d sessions' one-token "
+                 "steps run one after the other on it (an eager forward of 2 rows: %s ms)", turns, limit,
+                 f"{eager.ms(2):.2f}" if eager.ms(2) is not None else "not measured")

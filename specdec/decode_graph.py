@@ -112,26 +112,90 @@ class GraphDecoder:
             if getattr(layer, "is_initialized", False):
                 layer.cumulative_length.fill_(length)
 
-    def _load(self, session: Any, token: int) -> tuple[int, int] | None:
-        """Make the buffer hold the session's rows and point the step at its next position: (its
-        length, the rows the buffer held of it already), or None where this path cannot take it."""
+    # ------------------------------------------------------------------ the resident session
+    # The buffer holds the K/V of the resident session's first len(self._held) tokens. Its own
+    # DynamicCache may lag behind: rows the steps computed are written back to it only when
+    # something else needs them (write_back: an eager forward, a fork, another session taking the
+    # buffer), so a round of k drafting steps concatenates each layer's rows once, not k times.
+
+    def resident(self) -> Any:
+        return self._resident() if self._resident is not None else None
+
+    @staticmethod
+    def cached_len(session: Any) -> int:
+        layers = getattr(session.cache, "layers", None)
+        keys = getattr(layers[0], "keys", None) if layers else None
+        return 0 if keys is None else keys.shape[-2]
+
+    def write_back(self, session: Any, upto: int | None = None) -> None:
+        """Append to the session's own cache the rows of its first `upto` tokens (all: None) that only
+        the buffer holds; nothing for a session that is not resident."""
+        if session is None or self.resident() is not session:
+            return
+        end = len(session.tokens) if upto is None else min(upto, len(session.tokens))
+        start = self.cached_len(session)
+        if start >= end:
+            return
+        if end > len(self._held) or session.tokens[start:end] != self._held[start:end]:
+            raise RuntimeError(f"decode graph: the buffer does not hold rows {start}..{end} of its session")
+        with torch.inference_mode():
+            for mirror, own in zip(self.cache.layers, session.cache.layers):
+                own.update(mirror.keys[:, :, start:end], mirror.values[:, :, start:end])
+
+    def forget(self) -> None:
+        """Give the buffer up: the resident's rows written back first."""
+        try:
+            self.write_back(self.resident())
+        except BaseException:
+            self.abandon()
+            raise
+        self._resident, self._held, self._length = None, [], -1
+
+    def abandon(self) -> None:
+        """After a failure: the resident keeps only what its own cache holds (its next commit re-feeds
+        the rest, as after a cancelled call), and the buffer is given up without writing back."""
+        session = self.resident()
+        if session is not None:
+            kept = self.cached_len(session)
+            del session.tokens[kept:]
+            prefix_keys = getattr(session, "prefix_keys", None)
+            if prefix_keys is not None:
+                del prefix_keys[kept:]
+        self._resident, self._held, self._length = None, [], -1
+
+    def _load(self, session: Any, token: int) -> int | None:
+        """Make the buffer hold the session's rows and point the step at its next position (its
+        length, returned), the session resident; None where this path cannot take the step."""
         length = len(session.tokens)
         layers = getattr(session.cache, "layers", None)
         if not 0 < length < self.max_len or not layers or len(layers) != len(self.cache.layers):
             return None
-        if any(getattr(layer, "keys", None) is None or layer.keys.shape[-2] != length for layer in layers):
-            return None  # not a plain cache of the session's tokens: leave it to the eager path
-        resident = self._resident() if self._resident is not None else None
-        held = common_prefix_len(self._held, session.tokens) if resident is session else 0
-        if held < length:
+        if any(getattr(layer, "keys", None) is None for layer in layers):
+            return None  # not a plain cache (or an empty one): leave it to the eager path
+        cached = self.cached_len(session)
+        if self.resident() is session:
+            held = common_prefix_len(self._held, session.tokens)
+            if cached < length and held < length:
+                raise RuntimeError(f"decode graph: rows {max(cached, held)}..{length} of its session are nowhere")
+        else:
+            if cached != length:
+                return None  # a non-resident session's own cache holds all its rows, or it is not ours
+            self.forget()  # the last resident's rows written back before the buffer is overwritten
+            held = 0
+        if any(layer.keys.shape[-2] != cached for layer in layers):
+            return None
+        if held < cached:
             for mirror, own in zip(self.cache.layers, layers):
-                mirror.keys[:, :, held:length].copy_(own.keys[:, :, held:length])
-                mirror.values[:, :, held:length].copy_(own.values[:, :, held:length])
+                mirror.keys[:, :, held:cached].copy_(own.keys[:, :, held:cached])
+                mirror.values[:, :, held:cached].copy_(own.values[:, :, held:cached])
+        # Rows [0, length) now hold the session's tokens: from its cache, or pending from steps.
+        self._resident = weakref.ref(session)
+        self._held[held:] = session.tokens[held:length]
         if self._length != length:
             self._set_length(length)
         self.position.fill_(length)
         self.token.fill_(token)
-        return length, held
+        return length
 
     def _run(self) -> torch.Tensor:
         if self._graph is not None:
@@ -142,23 +206,18 @@ class GraphDecoder:
     @torch.inference_mode()
     def step(self, session: Any, token: int) -> torch.Tensor | None:
         """The float32 logits [1, V] after feeding `token` on top of `session` (a WorkerSession: its
-        `cache` and `tokens`), whose cache gains the token's row; None where this path cannot take
-        the step (then nothing changed: the caller runs it eagerly)."""
+        `cache` and `tokens`, which the caller extends by the token); the token's row stays in the
+        buffer until write_back. None where this path cannot take the step (then nothing changed:
+        the caller runs it eagerly)."""
         try:
-            loaded = self._load(session, token)
-            if loaded is None:
+            length = self._load(session, token)
+            if length is None:
                 return None
-            length, held = loaded
             logits = self._run()
-            self._length = length + 1
-            for mirror, own in zip(self.cache.layers, session.cache.layers):
-                own.update(mirror.keys[:, :, length:length + 1], mirror.values[:, :, length:length + 1])
         except BaseException:
-            self.forget()
+            self.abandon()
             raise
-        self._resident = weakref.ref(session)
-        del self._held[held:]
-        self._held.extend(session.tokens[held:])
+        self._length = length + 1
         self._held.append(token)
         self.steps += 1
         return logits[0, -1:].to(torch.float32, copy=True)
@@ -170,20 +229,14 @@ class GraphDecoder:
         a position). Leaves the session as it was; None where the step is not this path's."""
         if self._graph is None:
             return 0.0
-        try:
-            loaded = self._load(session, token)
-            if loaded is None:
-                return None
-            length, _ = loaded
-            eager = self._forward()[0, -1].float()  # writes the token's row at `length`, as the replay will
-            self._set_length(length)
-            replayed = self._run()[0, -1].float()
-            return ((replayed - eager).norm() / eager.norm().clamp_min(1e-6)).item()
-        finally:
-            self.forget()  # the buffer holds a row the session does not: reload it next time
-
-    def forget(self) -> None:
-        self._resident, self._held, self._length = None, [], -1
+        length = self._load(session, token)
+        if length is None:
+            return None
+        eager = self._forward()[0, -1].float()  # writes the token's row at `length`, as the replay will
+        self._set_length(length)
+        replayed = self._run()[0, -1].float()
+        self._length = -1  # the buffer holds the session's `length` rows and one no token names yet
+        return ((replayed - eager).norm() / eager.norm().clamp_min(1e-6)).item()
 
 
 def check_against_eager(decoder: GraphDecoder, new_session: Any, vocab_size: int, steps: int = 6) -> str | None:
@@ -205,6 +258,7 @@ def check_against_eager(decoder: GraphDecoder, new_session: Any, vocab_size: int
         for i in range(steps):
             session = sessions[i % 2]
             token = int(torch.randint(0, vocab_size, (1,), generator=gen))
+            decoder.write_back(session)  # the reference runs on the session's own cache
             plain_cache = copy_cache(session.cache, len(session.tokens))
             plain = model(input_ids=torch.tensor([[token]], device=device), past_key_values=plain_cache,
                           use_cache=True, logits_to_keep=1).logits[0, -1:].float()
@@ -224,18 +278,25 @@ def check_against_eager(decoder: GraphDecoder, new_session: Any, vocab_size: int
     return None
 
 
-def step_ms(decoder: GraphDecoder, new_session: Any, vocab_size: int, context: int, reps: int = 8) -> float:
-    """Median ms of one step at about `context` cached tokens (each at the next position, as decoding)."""
+def step_ms(decoder: GraphDecoder, new_session: Any, vocab_size: int, context: int, reps: int = 8,
+            sessions: int = 1) -> float:
+    """Median ms of one step at about `context` cached tokens (each at the next position, as decoding),
+    taking turns between `sessions` sessions (more than one: each step moves the buffer to its
+    session, as the steps of a batch run one after the other do)."""
     from specdec.models import synchronize
     gen = torch.Generator().manual_seed(3)
-    session = new_session()
+    held = []
     with torch.inference_mode():
-        ids = torch.randint(0, vocab_size, (1, context), generator=gen)
-        decoder.model(input_ids=ids.to(decoder.device), past_key_values=session.cache, use_cache=True,
-                      logits_to_keep=1)
-        session.tokens.extend(ids[0].tolist())
+        for _ in range(sessions):
+            session = new_session()
+            ids = torch.randint(0, vocab_size, (1, context), generator=gen)
+            decoder.model(input_ids=ids.to(decoder.device), past_key_values=session.cache, use_cache=True,
+                          logits_to_keep=1)
+            session.tokens.extend(ids[0].tolist())
+            held.append(session)
         times = []
-        for _ in range(reps + 1):
+        for i in range(reps + sessions):
+            session = held[i % sessions]
             token = int(torch.randint(0, vocab_size, (1,), generator=gen))
             synchronize(decoder.device)
             start = time.perf_counter()
@@ -244,4 +305,4 @@ def step_ms(decoder: GraphDecoder, new_session: Any, vocab_size: int, context: i
             times.append((time.perf_counter() - start) * 1000.0)
             session.tokens.append(token)
     decoder.forget()
-    return statistics.median(times[1:])  # the first copies the whole prefix in
+    return statistics.median(times[sessions:])  # each session's first step copies its whole prefix in

@@ -117,6 +117,9 @@ class WorkerCore:
         # One-token steps of a session alone replayed from a CUDA graph (enable_decode_graph).
         self.decode_graph: Any = None
         self.decode_path = "eager"
+        # Up to this many sessions' one-token steps run one after the other on it rather than as one
+        # eager forward (1: never; set where startup measured it pays).
+        self.graph_batch_limit = 1
         # Estimated from the config so that even the first request is checked against the budget;
         # replaced by the measured value after the first forward.
         self._bytes_per_token = estimate_kv_bytes_per_token(loaded.model)
@@ -197,6 +200,8 @@ class WorkerCore:
         # As begin_steps: the tokens fed must fit the context; the room reserved stops at it (a
         # call drafts no further than the context, so a branch near its end is no error).
         self._check_room(slot_key(session_id, slot), min(commit.cache_len + grow_by, self.max_context))
+        if source is not None:
+            self.sync(source, commit.cache_len)
         branch = (WorkerSession(cache=new_cache(self.model)) if source is None else
                   WorkerSession(copy_cache(source.cache, commit.cache_len), list(source.tokens[:commit.cache_len]),
                                 source.prefix_keys[:commit.cache_len]))
@@ -245,6 +250,7 @@ class WorkerCore:
                 self.counters.graph_steps += 1
                 self._fed(session, tokens)
                 return logits
+        self.sync(session)
         input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         try:
             out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
@@ -263,9 +269,15 @@ class WorkerCore:
                 self.truncate(step.session, step.crop_to)
         if len(steps) == 1:
             return [self.feed(steps[0].session, steps[0].tokens, steps[0].logits_rows)]
+        if len(steps) <= self.graph_batch_limit and all(len(s.tokens) == 1 and s.logits_rows in (0, 1) for s in steps):
+            # A few one-token steps cost less one after the other on the decode graph than as one
+            # eager forward (measured at startup: calibration.retime_decode_steps).
+            return [self._feed_or_error(s) for s in steps]
         if self._ragged is None:
             return [self._feed_or_error(s) for s in steps]
         from specdec.ragged import RaggedItem
+        for step in steps:
+            self.sync(step.session)
         try:
             outputs = self._ragged([RaggedItem(s.session.cache, s.tokens, s.logits_rows) for s in steps])
         except BaseException:
@@ -283,9 +295,18 @@ class WorkerCore:
             log.exception("forward of one step failed")
             return exc
 
+    def sync(self, session: WorkerSession, upto: int | None = None) -> None:
+        """The session's own cache holds the rows of its first `upto` tokens (all: None): those only
+        the decode graph's buffer held are written back (specdec.decode_graph). Before anything but
+        a decode-graph step reads or copies the cache."""
+        if self.decode_graph is not None:
+            self.decode_graph.write_back(session, upto)
+
     def _discard(self, session: WorkerSession) -> None:
         # Some layers may have appended to the cache before a failure: nothing in it can be trusted.
         # An empty session makes the next commit fail its check and re-prefill.
+        if self.decode_graph is not None and self.decode_graph.resident() is session:
+            self.decode_graph.abandon()
         session.cache = new_cache(self.model)
         session.tokens.clear()
         del session.prefix_keys[:]
@@ -298,6 +319,8 @@ class WorkerCore:
             self._measured_bytes = True
 
     def truncate(self, session: WorkerSession, length: int) -> None:
+        # Rows past `length` that only the decode graph's buffer holds are dropped with the tokens;
+        # crop_cache leaves a cache shorter than `length` as it is (the buffer holds the rest).
         if length < len(session.tokens):
             if length == 0:
                 session.cache = new_cache(self.model)

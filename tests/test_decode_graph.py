@@ -21,10 +21,12 @@ def loaded():
     return load_model(REF)
 
 
-def _plain_step(model: torch.nn.Module, session: WorkerSession, token: int) -> torch.Tensor:
+def _plain_step(core: WorkerCore, session: WorkerSession, token: int) -> torch.Tensor:
+    """A plain one-token forward on a copy of the session's cache, its rows written back first."""
+    core.sync(session)
     cache = copy_cache(session.cache, len(session.tokens))
     with torch.inference_mode():
-        return model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+        return core.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
                      logits_to_keep=1).logits[0, -1:].float()
 
 
@@ -40,12 +42,14 @@ def test_static_steps_match_plain_steps_across_switches_crops_and_forks(loaded) 
     core.feed(b, list(range(40, 45)), logits_rows=1)
 
     def check(session: WorkerSession, token: int) -> None:
-        expected = _plain_step(model, session, token)
+        expected = _plain_step(core, session, token)
         before = core.counters.graph_steps
         got = core.feed(session, [token], logits_rows=1)
         assert core.counters.graph_steps == before + 1  # taken by the decoder, not the eager path
         assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
-        # The session's own cache gained exactly the token's row.
+        # The token's row waits in the buffer until something else needs the session's own cache.
+        assert GraphDecoder.cached_len(session) < len(session.tokens)
+        core.sync(session)
         assert all(layer.keys.shape[-2] == len(session.tokens) for layer in session.cache.layers)
 
     for token in (5, 6, 7):
@@ -68,7 +72,7 @@ def test_eager_feeds_between_steps_and_multi_row_feeds_stay_eager(loaded) -> Non
     assert core.counters.graph_steps == 0  # several rows: eager
     core.feed(session, [5], logits_rows=1)
     core.feed(session, [6, 7], logits_rows=2)  # eager rows after a graph step (a catch-up)
-    expected = _plain_step(loaded.model, session, 8)
+    expected = _plain_step(core, session, 8)
     assert torch.allclose(core.feed(session, [8], logits_rows=1), expected, atol=1e-4)
     assert core.counters.graph_steps == 2
 
@@ -80,10 +84,10 @@ def test_sessions_longer_than_the_buffer_step_eagerly(loaded) -> None:
     core.feed(session, list(range(3, 17)), logits_rows=1)  # 14 tokens
     core.feed(session, [20], logits_rows=1)                 # position 14: in the buffer
     assert core.counters.graph_steps == 1
-    expected = _plain_step(loaded.model, session, 21)
+    expected = _plain_step(core, session, 21)
     assert torch.allclose(core.feed(session, [21], logits_rows=1), expected, atol=1e-4)  # position 15: last row
     assert core.counters.graph_steps == 2
-    expected = _plain_step(loaded.model, session, 22)
+    expected = _plain_step(core, session, 22)
     assert torch.allclose(core.feed(session, [22], logits_rows=1), expected, atol=1e-4)  # past it: eager
     assert core.counters.graph_steps == 2
 
@@ -103,7 +107,7 @@ def test_a_failed_step_discards_the_session_and_the_buffer_forgets_it(loaded, mo
     assert session.tokens == [] and core.decode_graph._held == []  # re-prefilled by its next commit
     monkeypatch.undo()
     core.feed(session, [7, 8, 9], logits_rows=1)
-    expected = _plain_step(loaded.model, session, 10)
+    expected = _plain_step(core, session, 10)
     assert torch.allclose(core.feed(session, [10], logits_rows=1), expected, atol=1e-4)
 
 
@@ -150,6 +154,12 @@ def test_draft_proposals_are_the_same_with_the_static_decoder(loaded, temperatur
         # The target accepted two of them and corrected the third.
         cache_len = len(tokens)
         tokens = tokens + a.tokens[:2] + [(a.tokens[2] + 1) % 200]
+    # A pre-draft's branch: slot 1 forked from slot 0's committed prefix, whose last drafts' rows
+    # are still only in the buffer (written back before the copy).
+    branch = ProposeParams("s", Commit(cache_len, prefix_hash(tokens[:cache_len]), tuple(tokens[cache_len:]) + (7,)),
+                           3, sampling, slot=1, fork_from=0)
+    a, b = plain.propose(branch), static.propose(branch)
+    assert a.tokens == b.tokens and len(a.tokens) == 3
     # Every one-token forward (the drafting steps, and a catch-up of one token) went to the decoder.
     assert static_core.counters.graph_steps == sum(one_row_feeds) >= 4 * 4
 
@@ -235,10 +245,66 @@ def test_the_startup_check_refuses_a_replay_that_froze_the_position(loaded) -> N
     core = WorkerCore(loaded, "draft")
     core.decode_graph = decoder
     core.feed(session, list(range(3, 15)), logits_rows=1)
-    expected = _plain_step(loaded.model, session, 9)
+    expected = _plain_step(core, session, 9)
     assert torch.allclose(core.feed(session, [9], logits_rows=1), expected, atol=1e-4)  # through replay()
 
     frozen = GraphDecoder(loaded.model, 64, capture=False)
     frozen._graph = EagerReplay(frozen, frozen_at=3)  # type: ignore[assignment]
     problem = check_against_eager(frozen, new_session, loaded.vocab_size)
     assert problem is not None and "the replayed graph differs from the same step run eagerly" in problem
+
+
+def test_rows_kept_in_the_buffer_survive_a_crop_and_reach_the_cache_before_an_eager_forward(loaded) -> None:
+    core = WorkerCore(loaded, "draft")
+    core.enable_decode_graph(capture=False, max_len=64)
+    session = WorkerSession(cache=new_cache(loaded.model))
+    core.feed(session, list(range(3, 13)), logits_rows=1)
+    for token in (20, 21, 22):  # three drafts, their rows in the buffer only
+        core.feed(session, [token], logits_rows=1)
+    assert GraphDecoder.cached_len(session) == 10 and len(session.tokens) == 13
+    core.truncate(session, 11)  # the target took the first draft: its row is still only in the buffer
+    assert session.tokens[-1] == 20 and GraphDecoder.cached_len(session) == 10
+    reference = WorkerSession(cache=new_cache(loaded.model))
+    plain = WorkerCore(loaded, "draft")
+    plain.feed(reference, session.tokens, logits_rows=1)
+    expected = plain.feed(reference, [30, 31], logits_rows=2)
+    got = core.feed(session, [30, 31], logits_rows=2)  # eager catch-up: the row written back first
+    assert torch.allclose(got, expected, atol=1e-4)
+    assert GraphDecoder.cached_len(session) == len(session.tokens) == 13
+
+
+def test_a_batch_of_one_token_steps_runs_on_the_graph_within_the_measured_limit(loaded) -> None:
+    from specdec.worker_core import ForwardStep
+    core = WorkerCore(loaded, "draft")
+    core.enable_decode_graph(capture=False, max_len=64)
+    sessions = [WorkerSession(cache=new_cache(loaded.model)) for _ in range(3)]
+    for i, session in enumerate(sessions):
+        core.feed(session, list(range(3 + i, 12 + 2 * i)), logits_rows=1)
+        core.feed(session, [40 + i], logits_rows=1)  # the last one resident, with a row pending
+    expected = [_plain_step(core, s, 50 + i) for i, s in enumerate(sessions)]
+    before = core.counters.graph_steps
+    core.graph_batch_limit = 3
+    got = core.feed_many([ForwardStep(s, [50 + i], 1) for i, s in enumerate(sessions)])
+    assert core.counters.graph_steps == before + 3
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, atol=1e-4)
+    core.graph_batch_limit = 2  # over the limit: one ragged eager forward (rows written back first)
+    expected = [_plain_step(core, s, 60 + i) for i, s in enumerate(sessions)]
+    got = core.feed_many([ForwardStep(s, [60 + i], 1) for i, s in enumerate(sessions)])
+    assert core.counters.graph_steps == before + 3
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, atol=1e-4)
+
+
+@pytest.mark.parametrize("eager_ms, limit", [(1e-3, 1), (1e4, 16)])
+def test_startup_retimes_one_token_points_and_sets_the_batch_limit_from_the_eager_curve(loaded, eager_ms, limit) -> None:
+    from specdec.calibration import retime_decode_steps
+    from specdec.contract import CostCurve
+    core = WorkerCore(loaded, "draft")
+    core.enable_decode_graph(capture=False, max_len=256)
+    core.cost_curve = CostCurve(((1, 16, eager_ms), (2, 16, eager_ms), (16, 16, eager_ms), (1, 64, eager_ms)))
+    retime_decode_steps(core, reps=3)
+    ones = {c: ms for t, c, ms in core.cost_curve.points if t == 1}
+    assert set(ones) == {16, 64} and all(ms != eager_ms for ms in ones.values())  # measured on the decoder
+    assert [(t, c, ms) for t, c, ms in core.cost_curve.points if t > 1] == [(2, 16, eager_ms), (16, 16, eager_ms)]
+    assert core.graph_batch_limit == limit  # B steps in turn against one eager forward of B rows
