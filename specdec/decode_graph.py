@@ -1,19 +1,23 @@
-"""One-token decode steps replayed from a CUDA graph: the draft's drafting steps on a GPU.
+"""One-token decode steps replayed from CUDA graphs: the draft's drafting steps on a GPU.
 
 Why: on a GPU an eager transformers step is host-bound (Python and kernel launches), so a small
 draft costs nearly what the target does. Measured on an H200 (docs/bench/nvidia-h200-synthetic/
-2026-11-28, "graphs"): the 24-layer draft's step 14.95 ms eager against 3.45 ms replayed from a
-graph, the 28-layer target's 17.75 ms eager; the draft's cost ratio c falls from about 0.8, where
-speculation cannot win, to about 0.2.
+2026-11-28, "decode graph"): the 24-layer draft's step 13.6-19.6 ms eager, 3.94 ms replayed over a
+512-row buffer; the draft's cost ratio c falls from about 0.8, where speculation cannot win.
 
-How: one static KV buffer (transformers' StaticCache, batch 1, `max_len` positions) mirrors the
-session being drafted for. Before a step, the rows of the session's own DynamicCache that the buffer
-does not hold yet are copied in (after a round's catch-up forward: a few rows; for another session:
-its whole prefix). The captured step writes the token's K/V at the write position, attends over the
-buffer (the causal mask from cache_position hides the rows past it) and returns the logits; the new
-row is then appended to the session's DynamicCache, which stays what every other path (crops, forks,
-batched forwards, eviction) works on. Without capture ("static", any device) the same steps run
-eagerly: what the CPU tests check against plain steps.
+How: a static KV buffer (transformers' StaticCache, batch 1) mirrors the session being drafted for.
+Before a step, the rows of the session's own DynamicCache that the buffer does not hold yet are
+copied in (after a round's catch-up forward: a few rows; for another session: its whole prefix). The
+captured step writes the token's K/V at the write position, attends over the buffer (the causal mask
+from cache_position hides the rows past it) and returns the logits. The new rows wait in the buffer
+and are written back to the session's cache, which stays what every other path (crops, forks, batched
+forwards) works on, when one of those needs it (write_back). A step attends over its whole buffer, so
+there is one per length, doubling (DecodeGraphs), and a session steps on the shortest that fits it.
+Without capture ("static", any device) the same steps run eagerly: what the CPU tests check against
+plain steps.
+
+Over 300 lines: the buffer's bookkeeping (which rows of which session it holds, which the session's
+own cache lacks) and the startup checks that guard it stay beside the steps that depend on them.
 """
 from __future__ import annotations
 
@@ -40,6 +44,13 @@ CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2, torch.bfloat16: 1e-
 # The replay against the same kernels run eagerly on the same buffer: the same numbers, unless the
 # capture froze what must change from step to step.
 REPLAY_TOLERANCE = 1e-3
+
+
+# The buffers' lengths: the smallest, then doubling up to the longest (DecodeGraphs). A step attends
+# over its whole buffer, and transformers expands the KV heads to the query heads under a mask: on
+# an H200 the 24-layer draft's step took 3.94 ms over a 512-row buffer and 7.53 ms over 4096 rows
+# (scripts/decode_graph_costs.py, 2026-11-28), at the same 128 tokens of context.
+SMALLEST_BUFFER = 256
 
 
 class DecodeGraphUnsupported(RuntimeError):
@@ -142,6 +153,10 @@ class GraphDecoder:
             for mirror, own in zip(self.cache.layers, session.cache.layers):
                 own.update(mirror.keys[:, :, start:end], mirror.values[:, :, start:end])
 
+    def discard(self, session: Any) -> None:
+        if self.resident() is session:
+            self.abandon()
+
     def forget(self) -> None:
         """Give the buffer up: the resident's rows written back first."""
         try:
@@ -239,7 +254,73 @@ class GraphDecoder:
         return ((replayed - eager).norm() / eager.norm().clamp_min(1e-6)).item()
 
 
-def check_against_eager(decoder: GraphDecoder, new_session: Any, vocab_size: int, steps: int = 6) -> str | None:
+def buffer_lengths(max_len: int, smallest: int = SMALLEST_BUFFER) -> list[int]:
+    """smallest, 2x, 4x, ... below max_len, then max_len itself."""
+    lengths = []
+    length = smallest
+    while length < max_len:
+        lengths.append(length)
+        length *= 2
+    return lengths + [max_len]
+
+
+class DecodeGraphs:
+    """One GraphDecoder per buffer length (buffer_lengths): a session steps on the shortest buffer
+    its next position fits in, so a short session's step attends over a few hundred rows, not the
+    longest buffer's. Moving up to a longer buffer writes the session's rows back and copies them in
+    once. The same interface as GraphDecoder, which WorkerCore uses."""
+
+    def __init__(self, model: torch.nn.Module, max_len: int, capture: bool,
+                 smallest: int = SMALLEST_BUFFER) -> None:
+        self.decoders = [GraphDecoder(model, length, capture) for length in buffer_lengths(max_len, smallest)]
+        self.model = model
+        self.device = self.decoders[0].device
+        self.max_len = max_len
+        self.nbytes = sum(d.nbytes for d in self.decoders)
+
+    @property
+    def steps(self) -> int:
+        return sum(d.steps for d in self.decoders)
+
+    def _for(self, session: Any) -> GraphDecoder | None:
+        """The decoder for the session's next step, with the buffer it may hold elsewhere given up."""
+        length = len(session.tokens)
+        chosen = next((d for d in self.decoders if length < d.max_len), None)
+        for decoder in self.decoders:
+            if decoder is not chosen and decoder.resident() is session:
+                decoder.forget()  # writes its rows back: the chosen buffer copies them from the cache
+        return chosen
+
+    def step(self, session: Any, token: int) -> torch.Tensor | None:
+        decoder = self._for(session)
+        return None if decoder is None else decoder.step(session, token)
+
+    def replay_error(self, session: Any, token: int) -> float | None:
+        decoder = self._for(session)
+        return None if decoder is None else decoder.replay_error(session, token)
+
+    def write_back(self, session: Any, upto: int | None = None) -> None:
+        for decoder in self.decoders:
+            decoder.write_back(session, upto)
+
+    def discard(self, session: Any) -> None:
+        """The session failed: any buffer it held is given up without writing back."""
+        for decoder in self.decoders:
+            if decoder.resident() is session:
+                decoder.abandon()
+
+    def forget(self) -> None:
+        for decoder in self.decoders:
+            decoder.forget()
+
+    def describe(self) -> str:
+        lengths = [d.max_len for d in self.decoders]
+        shown = ", ".join(map(str, lengths)) if len(lengths) <= 3 else f"{lengths[0]} to {lengths[-1]}"
+        return f"{len(lengths)} buffer(s) of {shown} positions ({self.nbytes / 2**20:.0f} MiB)"
+
+
+def check_against_eager(decoder: GraphDecoder | DecodeGraphs, new_session: Any, vocab_size: int, steps: int = 6,
+                        prefixes: tuple[int, int] = (12, 7)) -> str | None:
     """None where the decoder's steps match plain one-token forwards on a copy of the same cache
     (two sessions, interleaved, so the buffer switches between them); else what differed."""
     from specdec.models import copy_cache
@@ -249,7 +330,7 @@ def check_against_eager(decoder: GraphDecoder, new_session: Any, vocab_size: int
     gen = torch.Generator().manual_seed(2)
     sessions, worst = [], 0.0
     with torch.inference_mode():
-        for prefix in (12, 7):
+        for prefix in prefixes:
             session = new_session()
             ids = torch.randint(0, vocab_size, (1, prefix), generator=gen)
             model(input_ids=ids.to(device), past_key_values=session.cache, use_cache=True, logits_to_keep=1)
@@ -278,7 +359,7 @@ def check_against_eager(decoder: GraphDecoder, new_session: Any, vocab_size: int
     return None
 
 
-def step_ms(decoder: GraphDecoder, new_session: Any, vocab_size: int, context: int, reps: int = 8,
+def step_ms(decoder: GraphDecoder | DecodeGraphs, new_session: Any, vocab_size: int, context: int, reps: int = 8,
             sessions: int = 1) -> float:
     """Median ms of one step at about `context` cached tokens (each at the next position, as decoding),
     taking turns between `sessions` sessions (more than one: each step moves the buffer to its

@@ -208,17 +208,29 @@ class WorkerCore:
         key = slot_key(session_id, slot)
         self.store.put(key, branch)  # its room in the budget: the call's reservation (begin_steps)
 
-    def enable_decode_graph(self, capture: bool, max_len: int) -> None:
-        """Take one-token steps of a session alone on a static buffer (specdec.decode_graph), replayed
-        from a CUDA graph where `capture`. Checked against plain steps first: where it cannot be built
-        or does not agree, the worker stays on eager steps and says why (decode_path)."""
-        from specdec.decode_graph import GraphDecoder, check_against_eager
+    def enable_decode_graph(self, capture: bool, max_len: int, smallest: int | None = None) -> None:
+        """Take one-token steps of a session alone on static buffers (specdec.decode_graph), replayed
+        from CUDA graphs where `capture`. Each buffer is checked against plain steps first, and so is a
+        session moving from one to the next: where one cannot be built or does not agree, the worker
+        stays on eager steps and says why (decode_path)."""
+        from specdec.decode_graph import SMALLEST_BUFFER, DecodeGraphs, check_against_eager
         max_len = max(2, min(max_len, self.max_context))
         kind = "CUDA graph" if capture else "static buffer, not captured"
         try:
-            decoder = GraphDecoder(self.model, max_len, capture)
-            problem = check_against_eager(decoder, lambda: WorkerSession(cache=new_cache(self.model)),
-                                          self.vocab_size)
+            graphs = DecodeGraphs(self.model, max_len, capture, smallest or SMALLEST_BUFFER)
+
+            def new_session() -> WorkerSession:
+                return WorkerSession(cache=new_cache(self.model))
+            problem = None
+            starts = [0] + [d.max_len for d in graphs.decoders[:-1]]
+            checks = [(start + 12, start + 7) for start in starts]
+            checks += [(start - 2, start - 3) for start in starts[1:]]  # sessions stepping across a boundary
+            for prefixes in checks:
+                if max(prefixes) + 4 < max_len and min(prefixes) > 0:
+                    problem = check_against_eager(graphs, new_session, self.vocab_size, prefixes=prefixes)
+                    if problem:
+                        problem = f"{problem} (sessions of {prefixes[0]} and {prefixes[1]} tokens)"
+                        break
         except Exception as exc:  # noqa: BLE001 - any failure to build or capture: eager steps, said why
             log.exception("%s worker: decode graph failed", self.role)
             problem = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -226,8 +238,8 @@ class WorkerCore:
             self.decode_path = f"eager ({kind} refused: {problem})"
             log.warning("%s worker: one-token steps stay eager: %s", self.role, problem)
             return
-        self.decode_graph = decoder
-        self.decode_path = f"{kind}, {max_len} positions ({decoder.nbytes / 2**20:.0f} MiB buffer)"
+        self.decode_graph = graphs
+        self.decode_path = f"{kind}, {graphs.describe()}"
         log.info("%s worker: one-token steps of a session alone: %s", self.role, self.decode_path)
 
     # ------------------------------------------------------------------ compute
@@ -305,8 +317,8 @@ class WorkerCore:
     def _discard(self, session: WorkerSession) -> None:
         # Some layers may have appended to the cache before a failure: nothing in it can be trusted.
         # An empty session makes the next commit fail its check and re-prefill.
-        if self.decode_graph is not None and self.decode_graph.resident() is session:
-            self.decode_graph.abandon()
+        if self.decode_graph is not None:
+            self.decode_graph.discard(session)
         session.cache = new_cache(self.model)
         session.tokens.clear()
         del session.prefix_keys[:]

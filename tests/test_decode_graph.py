@@ -101,10 +101,10 @@ def test_a_failed_step_discards_the_session_and_the_buffer_forgets_it(loaded, mo
 
     def broken() -> torch.Tensor:
         raise RuntimeError("device fault")
-    monkeypatch.setattr(core.decode_graph, "_forward", broken)
+    monkeypatch.setattr(core.decode_graph.decoders[0], "_forward", broken)
     with pytest.raises(RuntimeError, match="device fault"):
         core.feed(session, [6], logits_rows=1)
-    assert session.tokens == [] and core.decode_graph._held == []  # re-prefilled by its next commit
+    assert session.tokens == [] and core.decode_graph.decoders[0]._held == []  # re-prefilled by its next commit
     monkeypatch.undo()
     core.feed(session, [7, 8, 9], logits_rows=1)
     expected = _plain_step(core, session, 10)
@@ -187,13 +187,13 @@ async def test_a_worker_started_with_the_static_decoder_reports_it_and_serves(tm
     from specdec.v1 import common_pb2, worker_pb2, worker_pb2_grpc
     from tests.procs import aspawn, stop
     proc, port = await aspawn("draft_worker", ["--model", REF, "--port", "0", "--threads", "1", "--calibration-s", "1",
-                                               "--decode-graph", "static", "--decode-graph-len", "256",
+                                               "--decode-graph", "static", "--decode-graph-len", "1024",
                                                "--metrics-port", "0"], tmp_path, log_level="INFO")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = worker_pb2_grpc.DraftWorkerStub(channel)
             info = await stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30)
-            assert info.decode_path.startswith("static buffer, not captured, 256 positions"), info.decode_path
+            assert info.decode_path.startswith("static buffer, not captured, 3 buffer(s) of 256, 512, 1024 positions"), info.decode_path
             assert any(cost.tokens == 1 for cost in info.forward_costs)
             reply = await stub.Propose(worker_pb2.ProposeRequest(
                 session_id="s", commit={"cache_len": 0, "append_tokens": list(range(3, 20))}, k=4), timeout=30)
@@ -308,3 +308,27 @@ def test_startup_retimes_one_token_points_and_sets_the_batch_limit_from_the_eage
     assert set(ones) == {16, 64} and all(ms != eager_ms for ms in ones.values())  # measured on the decoder
     assert [(t, c, ms) for t, c, ms in core.cost_curve.points if t > 1] == [(2, 16, eager_ms), (16, 16, eager_ms)]
     assert core.graph_batch_limit == limit  # B steps in turn against one eager forward of B rows
+
+
+def test_sessions_step_on_the_shortest_buffer_they_fit_and_move_up_as_they_grow(loaded) -> None:
+    from specdec.decode_graph import buffer_lengths
+    assert buffer_lengths(8192) == [256, 512, 1024, 2048, 4096, 8192]
+    assert buffer_lengths(100) == [100] and buffer_lengths(300) == [256, 300]
+    core = WorkerCore(loaded, "draft")
+    core.enable_decode_graph(capture=False, max_len=64, smallest=8)  # checked per buffer and across each boundary
+    assert [d.max_len for d in core.decode_graph.decoders] == [8, 16, 32, 64], core.decode_path
+    assert "4 buffer(s) of 8 to 64 positions" in core.decode_path
+    short, long_ = WorkerSession(cache=new_cache(loaded.model)), WorkerSession(cache=new_cache(loaded.model))
+    core.feed(short, [3, 4, 5], logits_rows=1)
+    core.feed(long_, list(range(3, 23)), logits_rows=1)
+    residents = []
+    for token in range(30, 45):  # short grows from 3 to 18 tokens: buffers of 8, then 16, then 32
+        for session in (short, long_):
+            expected = _plain_step(core, session, token)
+            assert torch.allclose(core.feed(session, [token], logits_rows=1), expected, atol=1e-4)
+        residents.append([d.max_len for d in core.decode_graph.decoders if d.resident() is short])
+    assert residents[0] == [8] and residents[-1] == [32] and [16] in residents
+    core.truncate(short, 6)  # back under the first boundary, its rows in the 32-row buffer cut
+    expected = _plain_step(core, short, 50)
+    assert torch.allclose(core.feed(short, [50], logits_rows=1), expected, atol=1e-4)
+    assert core.decode_graph.decoders[0].resident() is short

@@ -89,6 +89,9 @@ POLICIES: dict[str, dict[str, int]] = {"fixed3": {"fixed_k": 3}, "default": {},
                                         # k = 1 and 2 extra tokens: pre-drafts are used within the
                                         # first 3 tokens (a hit needs 2 tokens left after a round).
                                         "pipelined-k1": {"fixed_k": 1, "pipeline": True},
+                                        # The same on the draft's decode graph (static buffers: what
+                                        # a CUDA graph replays), batches of steps taking turns on it.
+                                        "graph-pipelined-k1": {"fixed_k": 1, "pipeline": True},
                                         # The server's prefill overlap, with the default policy.
                                         "overlap": {},
                                         # The pair guard switching epochs after every counted round.
@@ -99,13 +102,14 @@ SERVER_SPECULATION = {"default": SpeculationConfig(guard=False),
                       "overlap": SpeculationConfig(overlap_prefill=True, guard=False),
                       "guard-flips": SpeculationConfig(guard_spec_rounds=1, guard_off_rounds=1, guard_margin=0.0,
                                                      guard_rounds_per_session=0)}
-EXTRA_TOKENS = {"pipelined-k1": 2}   # generated past NEW_TOKENS; the first NEW_TOKENS are tested
+EXTRA_TOKENS = {"pipelined-k1": 2, "graph-pipelined-k1": 2}   # generated past NEW_TOKENS; the first NEW_TOKENS are tested
 WARPINGS: dict[str, SamplingConfig] = {
     "nowarp": SamplingConfig(TEMPERATURE),
     "topk3-topp0.73": SamplingConfig(TEMPERATURE, top_k=3, top_p=0.73),
 }
 DEFAULT_SUITE = {("fixed3", "nowarp", MIN_DRAFT_PROB["nowarp"]), ("default", "topk3-topp0.73", 0.0),
-                 ("pipelined-k1", "nowarp", 0.0), ("overlap", "nowarp", 0.0), ("guard-flips", "nowarp", 0.0)}
+                 ("pipelined-k1", "nowarp", 0.0), ("graph-pipelined-k1", "topk3-topp0.73", 0.0),
+                 ("overlap", "nowarp", 0.0), ("guard-flips", "nowarp", 0.0)}
 VARIANTS = [
     pytest.param(policy, warping, min_draft_prob, id=f"{policy}-{warping}-mdp{min_draft_prob}",
                  marks=() if (policy, warping, min_draft_prob) in DEFAULT_SUITE else pytest.mark.slow)
@@ -337,10 +341,17 @@ async def test_first_tokens_follow_target_distribution(small_vocab_models: None,
                                            max_queue=2 * BATCH,
                                            speculation=SERVER_SPECULATION.get(policy, SpeculationConfig()),
                                            trace_file=str(trace_file) if trace_file else None)
+    if policy.startswith("graph-"):
+        stack.draft.core.enable_decode_graph(capture=False, max_len=64, smallest=8)
+        assert stack.draft.core.decode_graph is not None, stack.draft.core.decode_path
+        stack.draft.core.graph_batch_limit = BATCH
     try:
         sample = await sample_outputs(stack, n, cfg, speculation, EXTRA_TOKENS.get(policy, 0))
+        graph_steps = stack.draft.core.counters.graph_steps
     finally:
         await stack.close()
+    if policy.startswith("graph-"):
+        assert graph_steps > n, f"{graph_steps} decode-graph steps in {n} requests"
 
     assert sample.draft_tokens > 0, "the speculative path never ran"
     if pipelined:
