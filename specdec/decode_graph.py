@@ -8,8 +8,10 @@ draft costs nearly what the target does. Measured on an H200 (docs/bench/nvidia-
 How: a static KV buffer (transformers' StaticCache, batch 1) mirrors the session being drafted for.
 Before a step, the rows of the session's own DynamicCache that the buffer does not hold yet are
 copied in (after a round's catch-up forward: a few rows; for another session: its whole prefix). The
-captured step writes the token's K/V at the write position, attends over the buffer (the causal mask
-from cache_position hides the rows past it) and returns the logits. The new rows wait in the buffer
+captured step writes the token's K/V at the write position, attends over the buffer (the rows past
+it masked) and returns the logits. The position (the rotary positions, the write row and the mask's
+end) is the buffer's write counters (transformers' cumulative_length, a device tensor the step
+advances), set before a step wherever it is not already the session's length. The new rows wait in the buffer
 and are written back to the session's cache, which stays what every other path (crops, forks, batched
 forwards) works on, when one of those needs it (write_back). A step attends over its whole buffer, so
 there is one per length, doubling (DecodeGraphs), and a session steps on the shortest that fits it.
@@ -100,6 +102,8 @@ class GraphDecoder:
         self.nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers)
 
     def _forward(self) -> torch.Tensor:
+        # transformers 5's Qwen2 takes positions from the write counters; cache_position is for
+        # models that read it (always the same as the counters here).
         return self.model(input_ids=self.token, past_key_values=self.cache, use_cache=True,
                           cache_position=self.position, logits_to_keep=1).logits
 
@@ -150,8 +154,13 @@ class GraphDecoder:
         if end > len(self._held) or session.tokens[start:end] != self._held[start:end]:
             raise RuntimeError(f"decode graph: the buffer does not hold rows {start}..{end} of its session")
         with torch.inference_mode():
-            for mirror, own in zip(self.cache.layers, session.cache.layers):
-                own.update(mirror.keys[:, :, start:end], mirror.values[:, :, start:end])
+            # Every layer's new tensors first, then assigned together: a failure (out of memory)
+            # leaves every layer as it was, never some layers longer than others.
+            grown = [(torch.cat([own.keys, mirror.keys[:, :, start:end]], dim=-2),
+                      torch.cat([own.values, mirror.values[:, :, start:end]], dim=-2))
+                     for mirror, own in zip(self.cache.layers, session.cache.layers)]
+        for own, (keys, values) in zip(session.cache.layers, grown):
+            own.keys, own.values = keys, values
 
     def discard(self, session: Any) -> None:
         if self.resident() is session:

@@ -201,7 +201,11 @@ class WorkerCore:
         # call drafts no further than the context, so a branch near its end is no error).
         self._check_room(slot_key(session_id, slot), min(commit.cache_len + grow_by, self.max_context))
         if source is not None:
-            self.sync(source, commit.cache_len)
+            try:
+                self.sync(source, commit.cache_len)
+            except BaseException:
+                self._discard(source)  # its cache may not hold what its tokens say
+                raise
         branch = (WorkerSession(cache=new_cache(self.model)) if source is None else
                   WorkerSession(copy_cache(source.cache, commit.cache_len), list(source.tokens[:commit.cache_len]),
                                 source.prefix_keys[:commit.cache_len]))
@@ -262,9 +266,9 @@ class WorkerCore:
                 self.counters.graph_steps += 1
                 self._fed(session, tokens)
                 return logits
-        self.sync(session)
         input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         try:
+            self.sync(session)
             out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
                              logits_to_keep=logits_rows)
         except BaseException:
@@ -281,16 +285,18 @@ class WorkerCore:
                 self.truncate(step.session, step.crop_to)
         if len(steps) == 1:
             return [self.feed(steps[0].session, steps[0].tokens, steps[0].logits_rows)]
-        if len(steps) <= self.graph_batch_limit and all(len(s.tokens) == 1 and s.logits_rows in (0, 1) for s in steps):
+        if self.decode_graph is not None and len(steps) <= self.graph_batch_limit and all(
+                len(s.tokens) == 1 and s.logits_rows in (0, 1) and len(s.session.tokens) < self.decode_graph.max_len
+                for s in steps):
             # A few one-token steps cost less one after the other on the decode graph than as one
             # eager forward (measured at startup: calibration.retime_decode_steps).
             return [self._feed_or_error(s) for s in steps]
         if self._ragged is None:
             return [self._feed_or_error(s) for s in steps]
         from specdec.ragged import RaggedItem
-        for step in steps:
-            self.sync(step.session)
         try:
+            for step in steps:
+                self.sync(step.session)
             outputs = self._ragged([RaggedItem(s.session.cache, s.tokens, s.logits_rows) for s in steps])
         except BaseException:
             for step in steps:

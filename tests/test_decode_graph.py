@@ -332,3 +332,49 @@ def test_sessions_step_on_the_shortest_buffer_they_fit_and_move_up_as_they_grow(
     expected = _plain_step(core, short, 50)
     assert torch.allclose(core.feed(short, [50], logits_rows=1), expected, atol=1e-4)
     assert core.decode_graph.decoders[0].resident() is short
+
+
+def test_steps_with_rows_still_in_the_buffer_match_a_plain_core_step_for_step(loaded) -> None:
+    """No write-back between the steps (the helper above syncs before each): what a round of
+    drafting does, compared with a core without the decoder fed the same tokens."""
+    core, plain = WorkerCore(loaded, "draft"), WorkerCore(loaded, "draft")
+    core.enable_decode_graph(capture=False, max_len=64, smallest=8)
+    a, b = WorkerSession(cache=new_cache(loaded.model)), WorkerSession(cache=new_cache(loaded.model))
+    prompt = list(range(3, 9))
+    core.feed(a, prompt, logits_rows=1)
+    plain.feed(b, prompt, logits_rows=1)
+    for token in range(20, 30):  # from the 8-row buffer into the 16-row one, rows pending throughout
+        got, expected = core.feed(a, [token], logits_rows=1), plain.feed(b, [token], logits_rows=1)
+        assert torch.allclose(got, expected, atol=1e-4), token
+    assert GraphDecoder.cached_len(a) < len(a.tokens) == len(b.tokens)
+
+
+def test_a_failed_write_back_leaves_every_layer_as_it_was_and_the_session_is_re_prefilled(loaded, monkeypatch) -> None:
+    import specdec.decode_graph as decode_graph
+    core = WorkerCore(loaded, "draft")
+    core.enable_decode_graph(capture=False, max_len=64)
+    session = WorkerSession(cache=new_cache(loaded.model))
+    core.feed(session, list(range(3, 13)), logits_rows=1)
+    for token in (20, 21, 22):
+        core.feed(session, [token], logits_rows=1)
+    calls = []
+    real_cat = torch.cat
+
+    def cat_failing_on_the_third(*args, **kwargs):  # the second layer's keys: out of memory
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real_cat(*args, **kwargs)
+    monkeypatch.setattr(decode_graph.torch, "cat", cat_failing_on_the_third)
+    layers_before = [id(layer.keys) for layer in session.cache.layers]
+    with pytest.raises(torch.OutOfMemoryError):
+        decode_graph.GraphDecoder.write_back(core.decode_graph.decoders[0], session)
+    assert [id(layer.keys) for layer in session.cache.layers] == layers_before  # not some layers grown
+    calls.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        core.feed(session, [30, 31], logits_rows=2)  # the eager forward's write-back fails
+    monkeypatch.undo()
+    assert session.tokens == [] and GraphDecoder.cached_len(session) == 0  # discarded: re-prefilled next
+    core.feed(session, list(range(3, 13)), logits_rows=1)
+    expected = _plain_step(core, session, 9)
+    assert torch.allclose(core.feed(session, [9], logits_rows=1), expected, atol=1e-4)
