@@ -51,6 +51,9 @@ class GenerationStats:
     predraft_saved_ms: float = 0.0
     predraft_branch_hits: int = 0   # hits whose drafts came from a branch (a correction guessed right)
     guard_off_rounds: int = 0
+    # Of draft_ms, what the rounds waited for: a pipelined hit's drafts ran during the previous
+    # verify (its compute counts in draft_ms, not in the time the request spent drafting).
+    draft_waited_ms: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -58,7 +61,7 @@ class GenerationStats:
 
     @property
     def overhead_ms(self) -> float:
-        return max(0.0, self.total_ms - self.draft_ms - self.verify_ms)
+        return max(0.0, self.total_ms - self.draft_waited_ms - self.verify_ms)
 
     @property
     def tokens_per_second(self) -> float:
@@ -75,6 +78,7 @@ class GenerationStats:
         for i in range(record.accepted):
             self.accepted_per_position[i] += 1
         self.draft_ms += record.draft_ms
+        self.draft_waited_ms += 0.0 if record.predraft_hit else record.draft_ms
         self.verify_ms += record.verify_ms
         self.reprefills += record.reprefills
         self.fallback_rounds += int(record.fallback)

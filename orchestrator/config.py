@@ -174,8 +174,9 @@ class SpeculationConfig:
     @property
     def picks_target_only(self) -> bool:
         """Whether the policy itself chooses between k = 0 and drafting, so that the service may run a
-        round target-only in its place; a `fixed` or `heuristic` k is what the caller asked for."""
-        return self.policy in ("cost", "bandit") and self.min_k == 0
+        round target-only in its place; a `fixed` or `heuristic` k is what the caller asked for, and so
+        is a `max_k` of 0 (whose rounds say nothing about whether drafting pays)."""
+        return self.policy in ("cost", "bandit") and self.min_k == 0 and self.max_k > 0
 
     def prefill_overlap_mode(self, devices_apart: bool) -> str:
         """How this (request's) config overlaps a turn's first round, as it applies (see
@@ -189,7 +190,7 @@ class SpeculationConfig:
     @property
     def guarded(self) -> bool:
         """Whether the pair guard may run this request's rounds target-only (see guard)."""
-        return self.guard and self.picks_target_only and self.max_k > 0
+        return self.guard and self.picks_target_only
 
     def guard_settings(self) -> GuardSettings:
         return GuardSettings(spec_rounds=self.guard_spec_rounds, off_rounds=self.guard_off_rounds,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import random
@@ -318,17 +319,21 @@ class GenerationEngine:
             while True:
                 ticket = guard.decide() if guard is not None else None
                 forced_off = ticket is not None and ticket.mode == TARGET_ONLY
+                # A round yields up to k+1 tokens: never draft past the budget, nor past the draft's
+                # context. The policy chooses within that room; where there is none it is not asked
+                # (a probe it would count would draft nothing).
+                room = max(0, min(spec.max_k, stop.remaining - 1, self.draft_max_context - len(session.tokens)))
                 try:
-                    k = 0 if forced_off else policy.next_k(session.stats, spec.min_k, spec.max_k,
-                                                           round_.target_prefill_rows())
+                    k = 0 if forced_off or room == 0 else policy.next_k(
+                        session.stats, min(spec.min_k, room), room, round_.target_prefill_rows())
                 except BaseException:
                     if ticket is not None:  # a ticket never handed back counts as in flight for good
                         guard.abandon(ticket)
                     raise
                 log.debug("session %s: k=%d %s", session.session_id, k, session.stats.described(spec.max_k))
-                # A round yields up to k+1 tokens: never draft past the budget, nor past the draft's context.
-                k = min(k, stop.remaining - 1, self.draft_max_context - len(session.tokens))
-                record = await round_.run_guarded(max(0, k), guard, ticket)
+                record = await round_.run_guarded(min(k, room), guard, ticket)
+                if room == 0 and spec.max_k > 0 and not forced_off:
+                    record = dataclasses.replace(record, budget_capped=True)
                 # A round the guard forced to k = 0 is not the policy's choice: its cost, with the whole
                 # pair off, is not what a k = 0 of this session alone costs. The policy does not learn it.
                 for observer in observers + ([] if forced_off else learners):

@@ -411,10 +411,12 @@ class SessionStats:
         return self._copy_with(pair_acceptance(a), pair_acceptance(a))
 
     def new_session(self) -> "SessionStats":
-        """A new session's statistics, from this pair prior: its value, a session's pace. The last
-        round (its k, what it accepted, the count) is some other session's: a new session has none."""
-        a = self.acceptance.value
-        session = self._copy_with(session_acceptance(a), pair_acceptance(a))
+        """A new session's statistics, from this pair prior: its value, a session's pace; its long-run
+        rate, the pair's own estimate with the pair's evidence behind it. (Seeded as a guess of 4
+        positions, one first-token rejection took it from 0.75 to 0.59, and the fast estimate's
+        relaxing towards it undid nothing.) The last round (its k, what it accepted, the count) is
+        some other session's: a new session has none."""
+        session = self._copy_with(session_acceptance(self.acceptance.value), copy.deepcopy(self.acceptance))
         session.rounds = session.last_k = session.last_accepted = 0
         return session
 
@@ -468,10 +470,11 @@ class SessionStats:
             self.bonus_match.update(1.0 if record.predraft_hit else 0.0)
         if record.predraft_branch_hit is not None:
             self.branch_match.update(1.0 if record.predraft_branch_hit else 0.0)
-        if record.overlapped:
-            # The prefill overlap ran this round at k = 0 beside the draft's prefill: not the policy
-            # choosing target-only (which relaxes the acceptance and makes the next drafting round a
-            # probe). It says nothing about acceptance or a k's speed.
+        if record.overlapped or getattr(record, "budget_capped", False):  # not in traces written before it
+            # The prefill overlap ran this round at k = 0 beside the draft's prefill, or the turn's
+            # budget left no room to draft: not the policy choosing target-only (which relaxes the
+            # acceptance and makes the next drafting round a probe). It says nothing about
+            # acceptance or a k's speed.
             self.rounds += 1
             self.last_k, self.last_accepted = 0, 0
             return
@@ -490,11 +493,16 @@ class SessionStats:
             # Windowed mean (cap the count) so the estimate follows slow drift.
             arm[1] += ((accepted + 1) / round_ms - arm[1]) / min(arm[0], 50.0)
         if k == 0:
-            self.rounds_since_draft += 1
-            # Only while no probe has failed lately: where drafting was tried and lost, the long-run
-            # rate is stale, and the probes' doubling waits decide when to try again.
-            if (k if chosen_k is None else chosen_k) == 0 and self.failed_probes == 0:
-                self.acceptance.relax_towards(self.typical.value, TARGET_ONLY_RELAX)
+            if (k if chosen_k is None else chosen_k) == 0:
+                # Target-only by the policy's choice: the wait before a probe grows. Not a round that
+                # asked for drafts and got none (an early stop at the first token, a draft fallback):
+                # counted as target-only, it made the next drafting round a probe, and a rejection
+                # there froze the session at k = 0 for the doubled wait.
+                self.rounds_since_draft += 1
+                # Only while no probe has failed lately: where drafting was tried and lost, the
+                # long-run rate is stale, and the probes' doubling waits decide when to try again.
+                if self.failed_probes == 0:
+                    self.acceptance.relax_towards(self.typical.value, TARGET_ONLY_RELAX)
             return
         self.rounds_since_draft = 0
         self.acceptance.update(k, accepted)

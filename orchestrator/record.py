@@ -54,6 +54,9 @@ class RoundRecord:
     target_queue_ms: float = 0.0  # the verify's wait in the target's scheduler (the rest of wall - compute: RPC)
     # The prefill overlap ran this round (a turn's first, k = 0 while the draft prefilled beside it).
     overlapped: bool = False
+    # The turn's token budget or the draft's context left no room to draft: k = 0 without asking the
+    # policy, which is not its choice of target-only.
+    budget_capped: bool = False
     # The pair guard's epoch this round ran in: "spec", "off" (k forced to 0), or "" (not guarded).
     guard: str = ""
 

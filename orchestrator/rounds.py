@@ -505,7 +505,7 @@ class Round:
         if isinstance(exc, (SessionNotFound, CacheMismatch)):
             # The pre-draft lost the session twice: optional work, so this round drafts serially.
             self.session.draft_view.reset()
-        log.info("pre-draft failed (%s); drafting serially", exc)
+        _log_predraft_failure("pre-draft failed; drafting serially", exc)
         return None
 
     async def settle(self) -> None:
@@ -514,16 +514,15 @@ class Round:
         at the prefix the draft surely holds (see _propose); the next commit re-sends the rest."""
         ahead, self._ahead = self._ahead, None
         branches, self._branches = self._branches, []
-        for branch in branches:
-            branch.task.cancel()
-        if branches:
-            await asyncio.wait({b.task for b in branches})
-        if ahead is None:
-            return
-        ahead.task.cancel()
-        await asyncio.wait({ahead.task})
-        if not ahead.task.cancelled() and ahead.task.exception() is not None:
-            log.info("pre-draft failed at the end of a turn: %s", ahead.task.exception())
+        # Every call cancelled before the first await: a second cancellation of the turn during the
+        # wait (a client's, at shutdown) left the main pre-draft running past its turn.
+        tasks = {b.task for b in branches} | ({ahead.task} if ahead is not None else set())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        if ahead is not None and not ahead.task.cancelled() and ahead.task.exception() is not None:
+            _log_predraft_failure("pre-draft failed at the end of a turn", ahead.task.exception())
 
     @property
     def predraft_pending(self) -> bool:
@@ -690,3 +689,12 @@ def _draft_token_ms(reply: DraftReply | None) -> float:
     if reply.draft_steps > 0:
         return max(0.0, reply.compute_ms - reply.catchup_ms) / reply.draft_steps
     return reply.compute_ms / len(reply.tokens) if reply.prefilled_tokens <= 1 else 0.0
+
+
+def _log_predraft_failure(what: str, exc: BaseException) -> None:
+    """A pre-draft is optional work: a service error (the draft lost the session, was busy or gone)
+    is expected and logged briefly; anything else is a bug, and must show with its traceback."""
+    if isinstance(exc, SpecdecError):
+        log.info("%s: %s", what, exc)
+    else:
+        log.error("%s: %s", what, exc, exc_info=exc)

@@ -56,6 +56,7 @@ class RoundTrace:
     # verify_wall_ms - verify_ms, what the worker queued; the rest is the RPC's.
     target_queue_ms: float = 0.0
     overlapped: bool = False  # the prefill overlap ran this round (False in older traces)
+    budget_capped: bool = False  # no room left to draft: k = 0 not by the policy (False in older traces)
 
     @property
     def steady(self) -> bool:
@@ -99,7 +100,7 @@ class TraceWriter:
             predraft={True: "hit", False: "miss"}.get(record.predraft_hit, ""),
             predraft_saved_ms=round(record.predraft_saved_ms, 3), draft_wall_ms=round(record.draft_wall_ms, 3),
             verify_wall_ms=round(record.verify_wall_ms, 3), target_queue_ms=round(record.target_queue_ms, 3),
-            overlapped=record.overlapped))
+            overlapped=record.overlapped, budget_capped=record.budget_capped))
 
     def write(self, trace: RoundTrace) -> None:
         """A diagnostic: a failing write (a full disk) is logged once and tracing stops, rather than

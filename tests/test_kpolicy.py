@@ -549,3 +549,53 @@ def test_an_overlapped_first_round_is_not_the_policy_choosing_target_only() -> N
     assert s.failed_probes == 0
     s.observe(SimpleNamespace(**{**vars(record), "overlapped": False}))  # a k = 0 round the policy chose
     assert s.acceptance.value < 0.9 and s.rounds_since_draft == 1
+
+
+def _learned_pair(a: float = 0.73, rounds: int = 200) -> SessionStats:
+    prior = SessionStats().as_pair_prior()
+    accepted_per_round = [(3, 0, 4, 1)[i % 4] for i in range(rounds)]  # 8 of 11 positions at k = 4
+    for accepted in accepted_per_round:
+        prior.observe_round(4, accepted)
+    assert prior.acceptance.value == pytest.approx(a, abs=0.08)
+    return prior
+
+
+def test_a_new_sessions_long_run_rate_carries_the_pairs_evidence() -> None:
+    """Seeded as a 4-position guess, one first-token rejection took a new session's long-run rate
+    from 0.75 to 0.59: the fast estimate then relaxed towards a rate its own dip had pulled down."""
+    prior = _learned_pair()
+    session = prior.new_session()
+    before = session.typical.value
+    session.observe_round(4, 0)
+    assert session.acceptance.value < before - 0.1  # the session's pace: it follows its own text
+    assert session.typical.value > before - 0.03    # the pair's long-run rate barely moves
+    fresh = SessionStats().as_pair_prior().new_session()  # a fresh pair's 0.7 is only a guess
+    fresh.observe_round(4, 0)
+    assert fresh.typical.value < 0.6
+
+
+def test_rounds_that_drafted_nothing_not_by_choice_do_not_count_as_target_only() -> None:
+    """A clamped, early-stopped or fallen-back k = 0 round bumped rounds_since_draft: the next
+    drafting round counted as a probe, and a rejection there froze the session at k = 0 for the
+    doubled wait (117 of 120 rounds, against 16)."""
+    from orchestrator.record import RoundRecord
+    s = stats_with(0.75, draft_ms=10.0)
+    s.observe_round(4, 4)
+    s.observe_round(0, 0, chosen_k=3)  # asked for 3: an early stop at the first token
+    assert s.rounds_since_draft == 0
+    s.observe_round(0, 0)  # the policy's own k = 0
+    assert s.rounds_since_draft == 1
+    fields = {f: 0 for f in RoundRecord.__dataclass_fields__} | {
+        "session_id": "s", "policy": "cost", "drafts": (), "draft_probs": (), "draft_confidences": (),
+        "emitted": (5,), "text_delta": "", "finish": None, "fallback": False, "greedy": True, "steady": True}
+    fields = {k: v for k, v in fields.items() if k in RoundRecord.__init__.__code__.co_varnames}
+    capped = RoundRecord(**{**fields, "budget_capped": True})
+    value = s.acceptance.value
+    s.observe(capped, timing=False)
+    assert s.rounds_since_draft == 1 and s.acceptance.value == value and s.rounds == 4
+
+
+def test_a_request_pinned_to_k_0_is_not_the_policy_choosing_target_only() -> None:
+    assert SpeculationConfig(policy="cost", min_k=0, max_k=8).picks_target_only
+    assert not SpeculationConfig(policy="cost", min_k=0, max_k=0).picks_target_only
+    assert not SpeculationConfig(policy="cost", min_k=0, max_k=0).guarded

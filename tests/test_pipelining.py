@@ -1014,3 +1014,66 @@ async def test_pre_drafts_stay_inside_a_shorter_draft_context(caplog: pytest.Log
     finally:
         hook.remove()
         await stack.close()
+
+
+async def test_a_second_cancellation_while_settling_still_cancels_the_main_pre_draft() -> None:
+    """settle() awaited the branches before it cancelled the main pre-draft: a cancellation of the
+    turn during that wait left the pre-draft's draft call running past its turn, untracked."""
+    from orchestrator.rounds import Round, _Branch, _Calls, _PreDraft
+    round_ = Round.__new__(Round)
+
+    async def slow_to_cancel() -> None:  # a branch whose cancellation takes a moment (gRPC teardown)
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)
+            raise
+    ahead = _PreDraft([], _Calls(), asyncio.create_task(asyncio.sleep(10)), 0.0)
+    branch = _Branch([], 0, 0, 1, _Calls(), asyncio.create_task(slow_to_cancel()), 0.0)
+    round_._ahead, round_._branches = ahead, [branch]
+    await asyncio.sleep(0)
+    settling = asyncio.create_task(round_.settle())
+    await asyncio.sleep(0.01)
+    settling.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await settling
+    await asyncio.sleep(0)
+    assert ahead.task.cancelled() and not round_.predraft_pending
+
+
+async def test_a_main_pre_draft_that_fails_with_a_bug_is_logged_with_its_traceback(caplog) -> None:
+    import logging
+    stack = await start_stack(draft_ref="tiny:seed=0,noise=0.02", target_call_delay_ms=30.0)
+    backend = stack.orch.engine.workers.draft
+    propose = backend.propose
+
+    async def failing_predrafts(*args, **kwargs):
+        task = asyncio.current_task()
+        if task is not None and task.get_coro().__qualname__ == "Round._propose" and kwargs.get("fork_from") is None:
+            raise RuntimeError("injected bug in the main pre-draft")
+        return await propose(*args, **kwargs)
+    backend.propose = failing_predrafts
+    try:
+        prompt = [5, 6, 7, 8]
+        reply = await stack.generate(prompt_ids=prompt, max_new_tokens=20,
+                                     speculation={"fixed_k": 3, "pipeline": True, "pipeline_branches": 0})
+        assert list(reply.token_ids) == reference_greedy(prompt, 20)
+        logged = [r for r in caplog.records if r.levelno >= logging.ERROR and r.exc_info
+                  and "injected bug" in str(r.exc_info[1])]
+        assert logged  # was an INFO line without a traceback
+    finally:
+        await stack.close()
+
+
+def test_a_hits_hidden_draft_time_is_not_taken_off_the_overhead() -> None:
+    from orchestrator.api import GenerationStats
+    from orchestrator.record import RoundRecord
+    base = {f: 0 for f in RoundRecord.__dataclass_fields__} | {
+        "session_id": "s", "policy": "cost", "drafts": (1, 2), "draft_probs": (), "draft_confidences": (),
+        "emitted": (1, 2, 3), "text_delta": "", "finish": None, "fallback": False, "greedy": True, "guard": ""}
+    stats = GenerationStats()
+    stats.observe(RoundRecord(**{**base, "draft_ms": 30.0, "verify_ms": 40.0, "predraft_hit": None}))
+    stats.observe(RoundRecord(**{**base, "draft_ms": 30.0, "verify_ms": 40.0, "predraft_hit": True}))
+    stats.total_ms = 30.0 + 40.0 + 40.0 + 12.0  # the hit's draft ran during the first verify
+    assert stats.draft_ms == 60.0  # compute, as the reply's field says
+    assert stats.overhead_ms == pytest.approx(12.0)

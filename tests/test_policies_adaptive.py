@@ -308,3 +308,18 @@ async def test_a_session_moved_to_another_target_replica_prices_k_with_that_pair
     assert on_busy is not on_idle and on_busy.timing.load is not on_idle.timing.load
     assert on_busy.timing.load.target_batch.value > 7 and on_idle.timing.load.target_batch.value < 1.5
     assert on_idle.new_session().timing.load_factor(4) == 1.0
+
+
+async def test_a_round_with_no_room_to_draft_is_marked_and_the_policy_is_not_asked(tmp_path: Path) -> None:
+    """The turn's last token: k = 0 because nothing more may be drafted, which the k policies must
+    not read as a choice of target-only (kpolicy.SessionStats.observe)."""
+    trace_file = tmp_path / "traces.jsonl"
+    stack = await start_stack(draft_ref="tiny:seed=0", trace_file=str(trace_file))
+    try:
+        reply = await stack.generate(prompt_ids=[1, 2, 3], max_new_tokens=4, speculation={"fixed_k": 2})
+    finally:
+        await stack.close()
+    assert len(reply.token_ids) == 4
+    traces = load_traces(trace_file)
+    # The draft is the target: 3 tokens in the first round, one left for a round with no room.
+    assert [(t.k, t.budget_capped) for t in traces] == [(2, False), (0, True)]
