@@ -495,7 +495,9 @@ async def test_a_new_session_keeps_the_pairs_probe_backoff() -> None:
         probes = [i for i, k in enumerate(first) if k > 0]
         assert probes == [16, 49], first  # waits of 16, then 32 target-only rounds
         prior = stack.orch.engine.prior_for("any")
-        since = len(first) - 1 - probes[-1]  # the pair's rounds since it last drafted
+        # The pair's rounds since it last drafted: the turn's last round (one token left, no room to
+        # draft) was not the policy's k = 0 and does not count.
+        since = len(first) - 2 - probes[-1]
         assert prior.failed_probes == 2 and prior.rounds_since_draft == since
         reply = await stack.generate(prompt_ids=[5, 6, 8], max_new_tokens=60)
         assert list(reply.token_ids) == reference_greedy([5, 6, 8], 60)
@@ -524,7 +526,8 @@ async def test_a_callers_target_only_request_does_not_put_the_pair_into_target_o
         assert list(chosen.token_ids) == reference_greedy([5, 6, 8], 30)
         ks = list(chosen.stats.k_per_round)
         trailing = len(ks) - 1 - max(i for i, k in enumerate(ks) if k > 0)
-        assert trailing > 0 and prior.rounds_since_draft == trailing, ks
+        # Less the turn's last round: one token left, no room to draft, not the policy's choice.
+        assert trailing > 1 and prior.rounds_since_draft == trailing - 1, ks
     finally:
         await stack.close()
 
