@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.models import configure_attention, load_model, new_cache, resolve_dtype, synchronize
-from specdec.worker_core import WorkerCore, WorkerSession
+from specdec.models import configure_attention, load_model, resolve_dtype, synchronize
+from specdec.worker_core import WorkerCore
 
 
 def step_times(core: WorkerCore, context: int, reps: int, graph: bool) -> float:
@@ -29,7 +29,7 @@ def step_times(core: WorkerCore, context: int, reps: int, graph: bool) -> float:
     core.decode_graph = decoder if graph else None
     try:
         gen = torch.Generator().manual_seed(context)
-        session = WorkerSession(cache=new_cache(core.model))
+        session = core.empty_session()
         core.feed(session, torch.randint(0, core.vocab_size, (context,), generator=gen).tolist(), logits_rows=1)
         times = []
         for _ in range(reps + 2):
@@ -48,7 +48,7 @@ def greedy(core: WorkerCore, prompt: list[int], steps: int, graph: bool) -> list
     decoder = core.decode_graph
     core.decode_graph = decoder if graph else None
     try:
-        session = WorkerSession(cache=new_cache(core.model))
+        session = core.empty_session()
         logits = core.feed(session, prompt, logits_rows=1)
         out = []
         for _ in range(steps):
@@ -94,13 +94,11 @@ def main() -> None:
             # heads under a mask), and the steps of a batch take turns on the one buffer.
             from specdec.decode_graph import GraphDecoder, step_ms
 
-            def new_session() -> WorkerSession:
-                return WorkerSession(cache=new_cache(core.model))
-            entry["turns_ms@128"] = round(step_ms(core.decode_graph, new_session, core.vocab_size, 128, args.reps,
+            entry["turns_ms@128"] = round(step_ms(core.decode_graph, core.empty_session, core.vocab_size, 128, args.reps,
                                                   sessions=2), 3)
             for length in (int(n) for n in args.buffer_lengths.split(",") if n):
                 bare = GraphDecoder(core.model, length, capture=device.type == "cuda")
-                entry[f"bare_step_ms@128,buffer={length}"] = round(step_ms(bare, new_session, core.vocab_size, 128,
+                entry[f"bare_step_ms@128,buffer={length}"] = round(step_ms(bare, core.empty_session, core.vocab_size, 128,
                                                                            args.reps), 3)
                 del bare
             prompt = torch.randint(0, core.vocab_size // 2, (24,), generator=torch.Generator().manual_seed(7)).tolist()

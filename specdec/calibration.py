@@ -201,17 +201,13 @@ def retime_decode_steps(core: WorkerCore, reps: int = 8) -> None:
     Also sets how many sessions' one-token steps run one after the other on the graph rather than as
     one eager forward (WorkerCore.graph_batch_limit): while that costs less by the eager curve."""
     from specdec.decode_graph import step_ms
-    from specdec.worker_core import WorkerSession
     if core.decode_graph is None or not core.cost_curve.points:
         return
     eager = core.cost_curve
-
-    def new_session() -> WorkerSession:
-        return WorkerSession(cache=new_cache(core.model))
     points = []
     for tokens, context, ms in eager.points:
         if tokens == 1 and context + reps + 2 < core.decode_graph.max_len:
-            replayed = step_ms(core.decode_graph, new_session, core.vocab_size, context, reps)
+            replayed = step_ms(core.decode_graph, core.empty_session, core.vocab_size, context, reps)
             log.info("one-token step at context %d: %.2f ms on the decode graph, %.2f ms eager", context,
                      replayed, ms)
             ms = replayed
@@ -219,7 +215,7 @@ def retime_decode_steps(core: WorkerCore, reps: int = 8) -> None:
     core.cost_curve = CostCurve(tuple(sorted(points)))
     context = min(c for _, c, _ in eager.points)
     if context + 2 * reps + 4 < core.decode_graph.max_len:
-        turns = step_ms(core.decode_graph, new_session, core.vocab_size, context, reps, sessions=2)
+        turns = step_ms(core.decode_graph, core.empty_session, core.vocab_size, context, reps, sessions=2)
         limit = 1
         for sessions in range(2, BATCHED_PATH_ROWS + 1):
             rows_ms = eager.ms(sessions)

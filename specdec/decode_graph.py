@@ -80,7 +80,6 @@ class GraphDecoder:
         self.model = model
         self.max_len = max_len
         self.device = next(model.parameters()).device
-        self.captured = capture
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         if not self.cache.layers or any(type(layer) is not StaticLayer for layer in self.cache.layers):
             raise DecodeGraphUnsupported("the model's static cache has sliding-window or other special layers")
@@ -91,7 +90,6 @@ class GraphDecoder:
         # so a step computes from exactly what the session's cache has).
         self._resident: weakref.ref[Any] | None = None
         self._held: list[int] = []
-        self.steps = 0
         self._graph: torch.cuda.CUDAGraph | None = None
         with torch.inference_mode():
             self._set_length(0)
@@ -243,7 +241,6 @@ class GraphDecoder:
             raise
         self._length = length + 1
         self._held.append(token)
-        self.steps += 1
         return logits[0, -1:].to(torch.float32, copy=True)
 
     @torch.inference_mode()
@@ -287,10 +284,6 @@ class DecodeGraphs:
         self.max_len = max_len
         self.nbytes = sum(d.nbytes for d in self.decoders)
 
-    @property
-    def steps(self) -> int:
-        return sum(d.steps for d in self.decoders)
-
     def _for(self, session: Any) -> GraphDecoder | None:
         """The decoder for the session's next step, with the buffer it may hold elsewhere given up."""
         length = len(session.tokens)
@@ -315,8 +308,7 @@ class DecodeGraphs:
     def discard(self, session: Any) -> None:
         """The session failed: any buffer it held is given up without writing back."""
         for decoder in self.decoders:
-            if decoder.resident() is session:
-                decoder.abandon()
+            decoder.discard(session)
 
     def forget(self) -> None:
         for decoder in self.decoders:
@@ -328,6 +320,17 @@ class DecodeGraphs:
         return f"{len(lengths)} buffer(s) of {shown} positions ({self.nbytes / 2**20:.0f} MiB)"
 
 
+@torch.inference_mode()
+def _prefilled(decoder: GraphDecoder | DecodeGraphs, new_session: Any, vocab_size: int, length: int,
+               gen: torch.Generator) -> Any:
+    """A new session holding `length` random tokens, fed eagerly on its own cache."""
+    session = new_session()
+    ids = torch.randint(0, vocab_size, (1, length), generator=gen)
+    decoder.model(input_ids=ids.to(decoder.device), past_key_values=session.cache, use_cache=True, logits_to_keep=1)
+    session.tokens.extend(ids[0].tolist())
+    return session
+
+
 def check_against_eager(decoder: GraphDecoder | DecodeGraphs, new_session: Any, vocab_size: int, steps: int = 6,
                         prefixes: tuple[int, int] = (12, 7)) -> str | None:
     """None where the decoder's steps match plain one-token forwards on a copy of the same cache
@@ -337,14 +340,9 @@ def check_against_eager(decoder: GraphDecoder | DecodeGraphs, new_session: Any, 
     dtype = next(model.parameters()).dtype
     tolerance = CHECK_TOLERANCE.get(dtype, 1e-1)
     gen = torch.Generator().manual_seed(2)
-    sessions, worst = [], 0.0
+    sessions = [_prefilled(decoder, new_session, vocab_size, prefix, gen) for prefix in prefixes]
+    worst = 0.0
     with torch.inference_mode():
-        for prefix in prefixes:
-            session = new_session()
-            ids = torch.randint(0, vocab_size, (1, prefix), generator=gen)
-            model(input_ids=ids.to(device), past_key_values=session.cache, use_cache=True, logits_to_keep=1)
-            session.tokens.extend(ids[0].tolist())
-            sessions.append(session)
         for i in range(steps):
             session = sessions[i % 2]
             token = int(torch.randint(0, vocab_size, (1,), generator=gen))
@@ -375,15 +373,8 @@ def step_ms(decoder: GraphDecoder | DecodeGraphs, new_session: Any, vocab_size: 
     session, as the steps of a batch run one after the other do)."""
     from specdec.models import synchronize
     gen = torch.Generator().manual_seed(3)
-    held = []
+    held = [_prefilled(decoder, new_session, vocab_size, context, gen) for _ in range(sessions)]
     with torch.inference_mode():
-        for _ in range(sessions):
-            session = new_session()
-            ids = torch.randint(0, vocab_size, (1, context), generator=gen)
-            decoder.model(input_ids=ids.to(decoder.device), past_key_values=session.cache, use_cache=True,
-                          logits_to_keep=1)
-            session.tokens.extend(ids[0].tolist())
-            held.append(session)
         times = []
         for i in range(reps + sessions):
             session = held[i % sessions]

@@ -176,7 +176,7 @@ class WorkerCore:
         session = self.store.get(session_id)
         if commit.cache_len == 0:
             if session is None:
-                session = WorkerSession(cache=new_cache(self.model))
+                session = self.empty_session()
                 self.store.put(session_id, session)
             return session
         if session is None:
@@ -206,11 +206,14 @@ class WorkerCore:
             except BaseException:
                 self._discard(source)  # its cache may not hold what its tokens say
                 raise
-        branch = (WorkerSession(cache=new_cache(self.model)) if source is None else
+        branch = (self.empty_session() if source is None else
                   WorkerSession(copy_cache(source.cache, commit.cache_len), list(source.tokens[:commit.cache_len]),
                                 source.prefix_keys[:commit.cache_len]))
         key = slot_key(session_id, slot)
         self.store.put(key, branch)  # its room in the budget: the call's reservation (begin_steps)
+
+    def empty_session(self) -> WorkerSession:
+        return WorkerSession(cache=new_cache(self.model))
 
     def enable_decode_graph(self, capture: bool, max_len: int, smallest: int | None = None) -> None:
         """Take one-token steps of a session alone on static buffers (specdec.decode_graph), replayed
@@ -222,16 +225,13 @@ class WorkerCore:
         kind = "CUDA graph" if capture else "static buffer, not captured"
         try:
             graphs = DecodeGraphs(self.model, max_len, capture, smallest or SMALLEST_BUFFER)
-
-            def new_session() -> WorkerSession:
-                return WorkerSession(cache=new_cache(self.model))
             problem = None
             starts = [0] + [d.max_len for d in graphs.decoders[:-1]]
             checks = [(start + 12, start + 7) for start in starts]
             checks += [(start - 2, start - 3) for start in starts[1:]]  # sessions stepping across a boundary
             for prefixes in checks:
                 if max(prefixes) + 4 < max_len and min(prefixes) > 0:
-                    problem = check_against_eager(graphs, new_session, self.vocab_size, prefixes=prefixes)
+                    problem = check_against_eager(graphs, self.empty_session, self.vocab_size, prefixes=prefixes)
                     if problem:
                         problem = f"{problem} (sessions of {prefixes[0]} and {prefixes[1]} tokens)"
                         break
@@ -285,13 +285,12 @@ class WorkerCore:
                 self.truncate(step.session, step.crop_to)
         if len(steps) == 1:
             return [self.feed(steps[0].session, steps[0].tokens, steps[0].logits_rows)]
-        if self.decode_graph is not None and len(steps) <= self.graph_batch_limit and all(
-                len(s.tokens) == 1 and s.logits_rows in (0, 1) and len(s.session.tokens) < self.decode_graph.max_len
-                for s in steps):
-            # A few one-token steps cost less one after the other on the decode graph than as one
-            # eager forward (measured at startup: calibration.retime_decode_steps).
-            return [self._feed_or_error(s) for s in steps]
-        if self._ragged is None:
+        # A few one-token steps cost less one after the other on the decode graph than as one eager
+        # forward (measured at startup: calibration.retime_decode_steps).
+        taking_turns = self.decode_graph is not None and len(steps) <= self.graph_batch_limit and all(
+            len(s.tokens) == 1 and s.logits_rows in (0, 1) and len(s.session.tokens) < self.decode_graph.max_len
+            for s in steps)
+        if taking_turns or self._ragged is None:
             return [self._feed_or_error(s) for s in steps]
         from specdec.ragged import RaggedItem
         try:
