@@ -60,11 +60,16 @@ class EmulatedLatency(grpc.aio.UnaryUnaryClientInterceptor):
         await asyncio.sleep(self.one_way_s)
         call = await continuation(client_call_details, request)
         try:
-            return await call  # raises AioRpcError as the call would
-        finally:
-            # The answer travels back, an error too; a call whose shortened deadline ran out ends
-            # here just at the caller's own deadline.
+            reply = await call
+        except grpc.aio.AioRpcError:
+            # The error travels back too; a call whose shortened deadline ran out ends here just at
+            # the caller's own deadline.
             await asyncio.sleep(self.one_way_s)
+            raise
+        # (A cancelled call ends at once, as a real one does locally: no return leg. With it, every
+        # pre-draft cancelled by a rejection held the next round back by one more one-way delay.)
+        await asyncio.sleep(self.one_way_s)
+        return reply
 
 
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None,

@@ -554,10 +554,12 @@ class Round:
         view = session.draft_views[slot]
         for attempt in range(2):
             commit = view.commit_for(canonical)
-            timeout = self.deadline.cap(w.draft_timeout_s + self._prefill_allowance_s(len(commit.append_tokens)))
+            own_timeout = w.draft_timeout_s + self._prefill_allowance_s(len(commit.append_tokens))
+            timeout = self.deadline.cap(own_timeout)
             # The replica the call goes to: a failure is its own, even if the replica leaves the
             # ring meanwhile (its channel closed mid-call) and the session maps to another.
             health = w.draft_health.for_session(session.session_id)
+            replica = getattr(w.draft, "node_for", lambda session_id: None)(session.session_id)
             try:
                 with calls.counting_sent():
                     reply = await w.draft.propose(session.session_id, commit, k, self.sampling, self.min_draft_prob,
@@ -578,6 +580,11 @@ class Round:
                 self.deadline.remaining()  # our own deadline passing is the caller's error, not a fallback
                 log.warning("draft worker unavailable (%s); falling back to target-only", exc)
                 health.failed()
+                if isinstance(exc, DeadlineExceeded) and replica is not None and timeout >= own_timeout:
+                    # Our own timeout (the caller's deadline raised above): a replica that hangs is
+                    # failing, as the target's does, and its sessions go to another (a live process
+                    # that answers pings but not Propose was never passed over).
+                    w.draft.call_timed_out(replica, timeout)
                 # Whether or not the call ran, the draft still holds the committed prefix: keep it, so
                 # one slow round does not cost a re-prefill of the whole prefix.
                 view.keep(commit.cache_len)

@@ -91,9 +91,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 if self.metrics is not None:
                     self.metrics.inflight.inc()
                 try:
-                    async for event in self.engine.generate(params, context.time_remaining(), speculation):
-                        tokens += len(event.token_ids)
-                        yield event
+                    # aclosing: the turn (its session lock, its pre-draft) ends before the slot is
+                    # given back, not when the abandoned generator is collected.
+                    async with contextlib.aclosing(self.engine.generate(params, context.time_remaining(),
+                                                                        speculation)) as events:
+                        async for event in events:
+                            tokens += len(event.token_ids)
+                            yield event
                 finally:
                     if self.metrics is not None:
                         self.metrics.inflight.dec()

@@ -165,12 +165,11 @@ class GraphDecoder:
             self.abandon()
 
     def forget(self) -> None:
-        """Give the buffer up: the resident's rows written back first."""
-        try:
-            self.write_back(self.resident())
-        except BaseException:
-            self.abandon()
-            raise
+        """Give the buffer up: the resident's rows written back first. A write-back that fails (out
+        of memory) changes nothing: the resident stays, its rows still in the buffer. Abandoning it
+        here trimmed a session another call may be stepping (a neighbour's step moving in), which
+        then fed its next token at a shorter position."""
+        self.write_back(self.resident())
         self._resident, self._held, self._length = None, [], -1
 
     def abandon(self) -> None:
@@ -237,7 +236,8 @@ class GraphDecoder:
                 return None
             logits = self._run()
         except BaseException:
-            self.abandon()
+            if self.resident() is session:  # its own rows are in doubt; another resident's are not
+                self.abandon()
             raise
         self._length = length + 1
         self._held.append(token)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -101,8 +102,11 @@ def add_service(server: grpc.aio.Server, service: ServiceDescriptor, servicer: A
                 if isinstance(request, MalformedRequest):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
                 try:
-                    async for item in impl(request, context):
-                        yield item
+                    # aclosing: a stream gRPC drops (cancelled while a write blocked) closes the
+                    # servicer's generator now, not at some later garbage collection.
+                    async with contextlib.aclosing(impl(request, context)) as items:
+                        async for item in items:
+                            yield item
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - mapped to a status code

@@ -429,15 +429,25 @@ class BatchScheduler:
             with self._cond:
                 while not self._closed and not self._waiting and not self._active:
                     self._cond.wait()
-                if self._closed:
+                if not self._closed:
+                    self._wait_for_due_calls()
+                if self._closed:  # (also while waiting for due calls: no call admitted, no forward run)
                     leftover = list(self._waiting) + self._active
                     self._waiting.clear()
                     self._active.clear()
                     return leftover
-                self._wait_for_due_calls()
                 admitted = self._admit()
-            for job in admitted:
-                self._start(job)
+            for i, job in enumerate(admitted):
+                try:
+                    self._start(job)
+                except BaseException:
+                    # The device lost: _die fails the waiting and active calls, not the admitted
+                    # ones dropped (cancelled or expired) that had yet to be ended here.
+                    active = set(map(id, self._active))
+                    for dropped in admitted[i + 1:]:
+                        if id(dropped) not in active:
+                            self._end_unstarted(dropped)
+                    raise
             self._drop_expired()
             batch = self._select()
             if batch:
@@ -546,8 +556,8 @@ class BatchScheduler:
                 gap = max(0.0, job.submitted - ended.ended)
                 if gap > 0:  # (0: it was queued behind its own previous call, not a return)
                     self._recent_gaps.append(gap)
-                self._returns[job.session_id] = ended._replace(
-                    gap=gap if ended.gap <= 0 else 0.7 * ended.gap + 0.3 * gap)
+                    self._returns[job.session_id] = ended._replace(
+                        gap=gap if ended.gap <= 0 else 0.7 * ended.gap + 0.3 * gap)
         self._waiting = kept
         return admitted
 
@@ -773,6 +783,11 @@ class BatchScheduler:
             if job.ends_session:  # and its branch slots' keys: none of them comes back
                 for key in [k for k in self._returns if session_of(k) == job.session_id]:
                     del self._returns[key]
+            elif job.steps is None:
+                # Never started (its caller gave up, or it expired waiting): not a return to expect
+                # the session back after; a forward held for it would wait for a caller that left.
+                if previous is not None:
+                    self._returns[job.session_id] = previous
             else:
                 self._returns[job.session_id] = _Return(now, previous.gap if previous else 0.0,
                                                         job.load.forwards or (previous.steps if previous else 1))
@@ -808,6 +823,7 @@ class BatchScheduler:
         """Forwards an active call probably still runs (at least 1; lock held)."""
         returned = self._returns.get(job.session_id)
         left = (returned.steps if returned else typical) - job.load.forwards
-        if job.chunked and job.pending is not None:  # a chunked prompt: at least its rest's chunks
-            left = max(left, math.ceil(len(job.pending.tokens) / max(MIN_PROMPT_CHUNK, self.limits.prefill_chunk)))
+        pending = job.pending  # read once: the model thread sets it to None without the lock
+        if job.chunked and pending is not None:  # a chunked prompt: at least its rest's chunks
+            left = max(left, math.ceil(len(pending.tokens) / max(MIN_PROMPT_CHUNK, self.limits.prefill_chunk)))
         return max(1, left)

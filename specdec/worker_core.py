@@ -201,11 +201,9 @@ class WorkerCore:
         # call drafts no further than the context, so a branch near its end is no error).
         self._check_room(slot_key(session_id, slot), min(commit.cache_len + grow_by, self.max_context))
         if source is not None:
-            try:
-                self.sync(source, commit.cache_len)
-            except BaseException:
-                self._discard(source)  # its cache may not hold what its tokens say
-                raise
+            # A failed write-back changes nothing (decode_graph.write_back): the source is left as it
+            # was, not discarded, since a call of its own may be stepping it between forwards.
+            self.sync(source, commit.cache_len)
         branch = (self.empty_session() if source is None else
                   WorkerSession(copy_cache(source.cache, commit.cache_len), list(source.tokens[:commit.cache_len]),
                                 source.prefix_keys[:commit.cache_len]))

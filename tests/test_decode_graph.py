@@ -378,3 +378,51 @@ def test_a_failed_write_back_leaves_every_layer_as_it_was_and_the_session_is_re_
     core.feed(session, list(range(3, 13)), logits_rows=1)
     expected = _plain_step(core, session, 9)
     assert torch.allclose(core.feed(session, [9], logits_rows=1), expected, atol=1e-4)
+
+
+def test_a_neighbours_failed_move_in_leaves_the_resident_session_whole(loaded, monkeypatch) -> None:
+    """Q's step moves Q into the buffer, writing back P's pending rows first; that write-back runs out
+    of memory. Only Q's step fails: P, which a call of its own may be stepping in the same forward,
+    keeps its tokens and its rows, and its next step computes what a plain step does (trimming P
+    there fed its next token at a shorter position: a wrong token from a one-token verify)."""
+    import specdec.decode_graph as decode_graph
+    core = WorkerCore(loaded, "target")
+    core.enable_decode_graph(capture=False, max_len=64)
+    p, q = core.empty_session(), core.empty_session()
+    core.feed(p, list(range(3, 13)), logits_rows=1)
+    core.feed(q, list(range(40, 47)), logits_rows=1)
+    for token in (20, 21, 22):
+        core.feed(p, [token], logits_rows=1)  # P resident, three rows pending in the buffer
+    p_tokens = list(p.tokens)
+    assert GraphDecoder.cached_len(p) < len(p_tokens)
+    monkeypatch.setattr(decode_graph.torch, "cat",
+                        lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory (test)")))
+    with pytest.raises(torch.OutOfMemoryError):
+        core.feed(q, [50], logits_rows=1)
+    monkeypatch.undo()
+    assert p.tokens == p_tokens and core.decode_graph.decoders[0].resident() is p
+    expected = _plain_step(core, p, 23)  # (writes P's rows back, then a plain step on a copy)
+    assert torch.allclose(core.feed(p, [23], logits_rows=1), expected, atol=1e-4)
+
+
+def test_a_failed_fork_leaves_its_source_as_it_was(loaded, monkeypatch) -> None:
+    """A branch forks from slot 0 while slot 0's own call may be stepping it: a write-back that fails
+    fails the fork, and the source keeps its tokens and pending rows (it was emptied before)."""
+    import specdec.decode_graph as decode_graph
+    from specdec.contract import slot_key
+    core = WorkerCore(loaded, "draft")
+    core.enable_decode_graph(capture=False, max_len=64)
+    source = core.empty_session()
+    core.feed(source, list(range(3, 13)), logits_rows=1)
+    for token in (20, 21):
+        core.feed(source, [token], logits_rows=1)
+    core.store.put(slot_key("s", 0), source)
+    tokens = list(source.tokens)
+    monkeypatch.setattr(decode_graph.torch, "cat",
+                        lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory (test)")))
+    with pytest.raises(torch.OutOfMemoryError):
+        core.fork("s", 0, 1, Commit(len(tokens), prefix_hash(tokens), ()), grow_by=3)
+    monkeypatch.undo()
+    assert source.tokens == tokens and GraphDecoder.cached_len(source) < len(tokens)
+    expected = _plain_step(core, source, 22)
+    assert torch.allclose(core.feed(source, [22], logits_rows=1), expected, atol=1e-4)

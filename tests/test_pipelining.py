@@ -276,6 +276,21 @@ async def test_emulated_latency_delays_both_directions_and_keeps_errors() -> Non
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.GetInfo(common_pb2.GetInfoRequest(), timeout=0.05)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.perf_counter() - started < 0.5
+        # A cancelled call ends at once, as a real one does locally: no return leg (with one, every
+        # pre-draft cancelled by a rejection held the next round back by another one-way delay).
+        slow_latency = EmulatedLatency(400.0)
+        slow = open_channel(f"127.0.0.1:{stack.draft_handle.port}", interceptors=[slow_latency])
+        try:
+            call = asyncio.ensure_future(worker_pb2_grpc.DraftWorkerStub(slow).GetInfo(common_pb2.GetInfoRequest(),
+                                                                                      timeout=10))
+            await asyncio.sleep(0.5)  # past the 400 ms send leg: the answer is on its way back
+            started = time.perf_counter()
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert time.perf_counter() - started < 0.2
+        finally:
+            await slow.close()
     finally:
         await channel.close()
         await stack.close()

@@ -154,11 +154,12 @@ async def test_client_deadline_propagates_to_worker_calls() -> None:
     engine = GenerationEngine(draft, target, ByteTokenizer(), WorkerDescription("target", "fake", 260, 4096, [257]),
                               limits=EngineLimits(draft_timeout_s=3.0))
     params = GenerateParams(prompt_ids=(1, 2, 3), max_new_tokens=40, speculation=SpeculationOverride(fixed_k=3))
-    async for _ in engine.generate(params, timeout_s=5.0):
+    async for _ in engine.generate(params, timeout_s=2.0):  # shorter than the draft's own timeout
         pass
-    assert target.timeouts and all(t is not None and 0 < t <= 5.0 for t in target.timeouts)
+    assert target.timeouts and all(t is not None and 0 < t <= 2.0 for t in target.timeouts)
     assert target.timeouts == sorted(target.timeouts, reverse=True)  # what is left of one deadline
-    assert draft.timeouts and all(t is not None and t <= 3.0 for t in draft.timeouts)
+    assert draft.timeouts and all(t is not None and 0 < t <= 2.0 for t in draft.timeouts)
+    assert draft.timeouts == sorted(draft.timeouts, reverse=True)
 
 
 class _ThreadNoting(ByteTokenizer):
@@ -300,6 +301,42 @@ async def test_a_verify_that_timed_out_is_charged_to_the_replica_it_went_to() ->
             task.cancel()
 
 
+async def test_a_hung_draft_replica_is_passed_over_and_the_turn_runs_target_only() -> None:
+    """A draft replica whose process answers pings but whose Propose never returns: each of its
+    sessions waited out the draft timeout, fell back to target-only, and stayed on it for good
+    (only UNAVAILABLE counted as failing). A timeout of our own now counts, as for the target."""
+    from dataclasses import replace
+
+    from orchestrator.routing import ReplicaEjection, ReplicaPool, RoutedDraft
+
+    class _HangingDraft(_FakeDraft):
+        async def propose(self, session_id, commit, k, sampling, min_draft_prob, timeout_s, slot=0, fork_from=None):
+            self.timeouts.append(timeout_s)
+            await asyncio.sleep(timeout_s)
+            raise DeadlineExceeded("Deadline Exceeded")  # as gRPC ends a call at its timeout
+    drafts = {"10.0.0.1:1": _FakeDraft(), "10.0.0.2:1": _FakeDraft()}
+    pool = ReplicaPool("draft", ",".join(drafts), lambda address: drafts[address])
+    engine = GenerationEngine(RoutedDraft(pool), _FakeTarget(), ByteTokenizer(),
+                              WorkerDescription("target", "fake", 260, 4096, [257]),
+                              limits=EngineLimits(draft_timeout_s=ReplicaEjection.EJECT_AFTER_S))  # one hung call: passed over
+    owned = [f"s{i}" for i in range(50) if pool.node_for(f"s{i}") == pool.node_for("s0")][:2]
+    hung = pool.node_for(owned[0])
+    drafts[hung] = pool.backends[hung] = _HangingDraft()
+    params = GenerateParams(prompt_ids=(1, 2, 3), max_new_tokens=4, session_id=owned[0],
+                            speculation=SpeculationOverride(fixed_k=2))
+    events = [event async for event in engine.generate(params)]
+    assert events[-1].finish_reason is not None and events[-1].stats.fallback_rounds >= 1
+    assert drafts[hung].timeouts and pool.ejection.passed_over(hung) and pool.node_for(owned[0]) != hung
+    # The caller's own deadline running out is not the replica's failure.
+    pool.ejection.succeeded(hung)
+    engine.draft_health.entries[hung].succeeded()  # (its back-off after the failure, forgotten)
+    with pytest.raises(DeadlineExceeded):
+        async for _ in engine.generate(replace(params, session_id=owned[1]), timeout_s=0.3):
+            pass
+    assert len(drafts[hung].timeouts) == 2 and not pool.ejection.passed_over(hung)
+    await engine.settle(5.0)
+
+
 async def test_deadline_and_cancellation_leak_nothing(stack) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stack.generate(prompt_ids=PROMPT, max_new_tokens=3000, timeout=0.3, speculation={"fixed_k": 0})
@@ -320,8 +357,11 @@ async def test_deadline_and_cancellation_leak_nothing(stack) -> None:
     assert list(reply.token_ids) == reference_greedy([1], 4)
     await stack.stub.EndSession(common_pb2.EndSessionRequest(session_id="kept"))
     assert len(engine.sessions) == 0 and len(stack.target.core.store) == 0 and len(stack.draft.core.store) == 0
-    tasks = [t for t in asyncio.all_tasks() if "generate" in repr(t.get_coro())]
-    assert not tasks
+    # No pre-draft or branch call outlived its turn (those are the only tasks a turn starts).
+    round_calls = {"Round._propose", "Round._propose_branch"}
+    assert any(getattr(t.get_coro(), "__qualname__", "") == "test_deadline_and_cancellation_leak_nothing"
+               for t in asyncio.all_tasks())  # (how a task's coroutine is named: this test's own)
+    assert not [t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__qualname__", "") in round_calls]
 
 
 async def test_the_next_turn_waits_for_a_cancelled_turn_to_clean_up_not_for_a_running_one(stack) -> None:
@@ -1087,3 +1127,58 @@ async def test_a_chat_request_of_too_many_messages_is_refused_before_rendering()
             pass
     async for _ in engine.generate(GenerateParams(messages=(("user", "hi"),) * 4, max_new_tokens=2)):
         pass
+
+
+async def test_a_dropped_stream_closes_the_servicers_generator_at_once() -> None:
+    """gRPC drops a stream's handler generator when the stream is cancelled while a write blocks.
+    The servicer's generator under it (and the turn under that: its session lock, its pre-draft)
+    must close with it, not at some later garbage collection: until then a retry on the session was
+    refused as busy and the admission slot was free while the turn still ran."""
+    from types import SimpleNamespace
+
+    from specdec import grpc_util
+    closed: list[str] = []
+
+    class Servicer:
+        async def GenerateStream(self, request, context):
+            try:
+                for i in range(10):
+                    yield orchestrator_pb2.GenerateStreamResponse(text_delta=str(i))
+            finally:
+                closed.append("servicer")
+
+        async def Generate(self, request, context): ...
+
+        async def EndSession(self, request, context): ...
+    captured: list = []
+    server = SimpleNamespace(add_generic_rpc_handlers=captured.extend)
+    grpc_util.add_service(server, orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"], Servicer())
+    details = SimpleNamespace(method="/specdec.v1.Orchestrator/GenerateStream", invocation_metadata=())
+    handler = captured[0].service(details)
+    stream = handler.unary_stream(orchestrator_pb2.GenerateRequest(), SimpleNamespace())
+    assert (await stream.__anext__()).text_delta == "0"
+    await stream.aclose()
+    assert closed == ["servicer"]
+
+
+async def test_a_dropped_stream_ends_its_turn_before_its_admission_slot_is_freed() -> None:
+    from types import SimpleNamespace
+
+    from orchestrator.admission import Admission
+    from orchestrator.servicer import OrchestratorServicer
+    admission = Admission(max_concurrent=1, max_queue=0)
+    seen: list[int] = []
+
+    async def generate(params, timeout_s, speculation):
+        try:
+            for i in range(10):
+                yield GenerationEvent(token_ids=[i], text_delta=str(i))
+        finally:
+            seen.append(admission.running)  # the turn ends while it still holds its slot
+    engine = SimpleNamespace(validate=lambda params: None, generate=generate)
+    servicer = OrchestratorServicer(engine, admission)
+    events = servicer._events(orchestrator_pb2.GenerateRequest(prompt="x"), SimpleNamespace(time_remaining=lambda: None),
+                              "GenerateStream")
+    assert (await events.__anext__()).token_ids == [0]
+    await events.aclose()
+    assert seen == [1] and admission.running == 0

@@ -501,6 +501,29 @@ def test_a_lost_device_in_a_calls_own_steps_stops_the_worker(forward) -> None:
     scheduler.close()
 
 
+def test_a_lost_device_at_a_calls_start_still_ends_the_calls_dropped_with_it() -> None:
+    """Admission hands the model thread the calls it placed and those it dropped (expired) together;
+    the device lost in the first one's start must not leave a dropped one's future unresolved (_die
+    fails only the waiting and active calls)."""
+    from specdec.scheduler import _Job
+
+    def faulting():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        yield  # noqa - a generator
+    now = [100.0]
+    scheduler = BatchScheduler(lambda steps: [0] * len(steps), BatchLimits(window_ms=0.0), clock=lambda: now[0])
+    lost, dropped = _Job("lost", faulting, None, 100.0), _Job("late", call("late"), 100.5, 100.0)
+    with scheduler._cond:
+        scheduler._waiting.extend([lost, dropped])
+        now[0] = 101.0  # "late" expired while it waited
+        scheduler._cond.notify_all()
+    with pytest.raises(WorkerUnavailable):
+        lost.future.result(WAIT_S)
+    with pytest.raises(DeadlineExceeded):
+        dropped.future.result(WAIT_S)
+    scheduler.close()
+
+
 def test_a_refusal_for_kv_room_carries_a_retry_hint(forward) -> None:
     """The KV budget full of sessions in use (CapacityExceeded from a call's own steps) frees as
     those calls end: RESOURCE_EXHAUSTED with a retry hint, which the orchestrator waits out mid-turn."""
@@ -537,6 +560,9 @@ def test_close_fails_waiting_calls_as_unavailable(forward) -> None:
     waiting, _ = scheduler.submit("b", call("b"))
     closer = threading.Thread(target=scheduler.close)
     closer.start()
+    give_up = time.monotonic() + WAIT_S
+    while not scheduler._closed and time.monotonic() < give_up:  # closed before "a" can finish and "b" start
+        time.sleep(0.001)
     forward.gate.set()
     closer.join(WAIT_S)
     with pytest.raises(WorkerUnavailable):
@@ -843,7 +869,21 @@ def test_the_typical_gap_learns_from_returns_only() -> None:
                                        _Job("back", call("back"), None, 100.0)])
             assert len(scheduler._admit()) == 3
             assert list(scheduler._recent_gaps) == [pytest.approx(0.01)]
+            assert scheduler._returns["queued"].gap == 0.003  # its own gap not shrunk by the 0 either
+            assert scheduler._returns["back"].gap == pytest.approx(0.7 * 0.003 + 0.3 * 0.01)
             scheduler._active.clear()
+            # A call given up before it started is no return: its session is not expected back after it
+            # (a new session's would be, after the typical gap; an old one's keeps what it had).
+            scheduler._returns["old"] = _Return(99.0, 0.02)
+            for sid in ("new", "old"):
+                job = _Job(sid, call(sid), 99.9, 99.8)
+                scheduler._waiting.append(job)
+        now[0] = 100.5
+        for job in list(scheduler._waiting):
+            scheduler._waiting.remove(job)
+            scheduler._end_unstarted(job)
+        with scheduler._cond:
+            assert "new" not in scheduler._returns and scheduler._returns["old"] == _Return(99.0, 0.02)
     finally:
         scheduler.close()
 
