@@ -313,6 +313,9 @@ def test_netbench_summary_ratios_hit_rate_and_identity() -> None:
     assert row["serial_target_busy"] == pytest.approx(0.5)
     assert "| 10 ms |" in markdown([row]) and "pipelined-no-branches_tok_s" not in row
     assert "no branches" not in markdown([row])  # a column per system that ran
+    # A run whose prompt has no target-only reference compared nothing: not "identical".
+    (lonely,) = summarize(runs + [run("pipelined", "c", 1.0, 1, 1)])
+    assert lonely["identical"] is False
     runs += [run("pipelined-no-branches", "a", 2.0, 1, 3), run("pipelined-no-branches", "b", 2.0, 1, 1)]
     (row,) = summarize(runs)
     assert row["pipelined-no-branches_vs_serial"] == pytest.approx(1.0)

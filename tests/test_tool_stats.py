@@ -70,10 +70,12 @@ class FakeStub:
     def __init__(self, prompts: list[list[int]]) -> None:
         self.index = {tuple(p): i for i, p in enumerate(prompts)}
         self.calls: list[int] = []
+        self.speculative: list[bool] = []  # not pinned to k = 0
 
     def GenerateStream(self, req: Any, timeout: float) -> Any:  # noqa: N802
         ids = list(req.prompt_ids.ids)
         self.calls.append(self.index[tuple(ids)])
+        self.speculative.append(not (req.speculation.HasField("fixed_k") and req.speculation.fixed_k == 0))
 
         async def chunks() -> Any:
             yield _Chunk([sum(ids) % 50, 1, 2])
@@ -88,7 +90,9 @@ async def test_sweep_runs_each_prompt_equally_often_at_every_level() -> None:
     per_stream = balanced_requests_per_stream([1, 2, 4, 8], len(prompts), 2)
     levels, references = await sweep_on(stub, prompts, [1, 2, 4, 8], per_stream, 3, 5.0, repeats=2)
     assert stub.calls[:8] == list(range(8)) and sorted(references) == list(range(8))  # the references
-    calls = stub.calls[8:]
+    assert stub.calls[8] == 0 and stub.speculative[8]  # then one speculative warm-up, not in any block
+    assert not any(stub.speculative[:8])
+    calls = stub.calls[9:]
     assert [(lv.mode[0], lv.streams, lv.repeat) for lv in levels][:8] == [  # ABBA kept, flipped per level
         ("s", 1, 0), ("t", 1, 0), ("t", 1, 1), ("s", 1, 1), ("t", 2, 0), ("s", 2, 0), ("s", 2, 1), ("t", 2, 1)]
     shares = set()
@@ -112,6 +116,7 @@ async def test_sweep_with_one_count_keeps_it_at_every_level() -> None:
     prompts = [[1], [2], [3]]
     stub = FakeStub(prompts)
     levels, _ = await sweep_on(stub, prompts, [1, 2], 1, 3, 5.0)
+    assert len(stub.calls) == 3 + 1 + 6  # references, the warm-up, the blocks
     assert [(lv.streams, lv.requests, lv.prompts_run) for lv in levels] == [
         (1, 1, [0]), (1, 1, [0]), (2, 2, [0, 1]), (2, 2, [0, 1])]
     # One repeat: the mode that runs first alternates per level (not speculation first everywhere).

@@ -8,8 +8,9 @@ k = 0 (target-only) through the same services. With `--repeats R` the two modes 
 level in ABBA order (spec, target-only, target-only, spec, ...), so a drift of the machine's speed over
 the run falls on both modes alike; the report gives each repeat's ratio and their spread. The order
 also flips from one level to the next (AB at 1 stream, BA at 2, ...), so that with one repeat neither
-mode always takes the first block after a change of load (the reference runs are target-only, so
-the first block of the sweep is the draft's first use: its warm-up falls there). Reports per
+mode always takes the first block after a change of load. The reference runs (each prompt alone,
+target-only) and one uncounted speculative request come first, so neither worker's warm-up falls in
+a measured block (until 2026-11-28 the draft's fell in the first one, speculative at 1 stream). Reports per
 level: aggregate tok/s, p50 and p99 inter-token latency per chunk (the gap a client waits between two
 messages of a stream; a speculative round's tokens come in one message, so its gap counts once, as
 vLLM's benchmark counts it), beside it the same gaps spread over the tokens each chunk carried (per
@@ -129,6 +130,10 @@ async def sweep_on(stub: Any, prompts: list[list[int]], levels: list[int],
     references = {}
     for i, prompt in enumerate(prompts):  # each prompt alone, target-only: what identity means
         references[i] = await _one(stub, prompt, max_new, 0, timeout_s, alone)
+    # One speculative request, not counted: the references warmed the target only, and the draft's
+    # first use (its warm-up) fell into the first speculative block at 1 stream, the denominator of
+    # every "x one stream" of speculation.
+    await _one(stub, prompts[0], max_new, None, timeout_s, Level("warm-up", 1))
     results = []
     for level_index, streams in enumerate(levels):
         plan = prompt_plan(streams, per_level[streams], len(prompts))

@@ -136,7 +136,11 @@ def summarize(runs: list[NetRun]) -> list[dict[str, Any]]:
         if slowdown is not None:
             row["verify_slowdown"] = slowdown
         # Greedy: every system must produce the same tokens.
-        row["identical"] = all(r.token_ids == base[key].token_ids for r in at if (key := (r.prompt, r.repeat)) in base)
+        # Each run against target-only on its prompt: one without that reference fails the check
+        # (it compared nothing), and target-only's own runs are the reference, not compared.
+        others = [r for r in at if r.system != "target-only"]
+        row["identical"] = bool(others) and all(
+            (key := (r.prompt, r.repeat)) in base and r.token_ids == base[key].token_ids for r in others)
         rows.append(row)
     return rows
 
