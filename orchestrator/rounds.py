@@ -559,7 +559,10 @@ class Round:
             # The replica the call goes to: a failure is its own, even if the replica leaves the
             # ring meanwhile (its channel closed mid-call) and the session maps to another.
             health = w.draft_health.for_session(session.session_id)
-            replica = getattr(w.draft, "node_for", lambda session_id: None)(session.session_id)
+            try:
+                replica = getattr(w.draft, "node_for", lambda session_id: None)(session.session_id)
+            except SpecdecError:  # no replica discovered: the call itself says so, and falls back
+                replica = None
             try:
                 with calls.counting_sent():
                     reply = await w.draft.propose(session.session_id, commit, k, self.sampling, self.min_draft_prob,

@@ -276,19 +276,24 @@ async def test_emulated_latency_delays_both_directions_and_keeps_errors() -> Non
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.GetInfo(common_pb2.GetInfoRequest(), timeout=0.05)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.perf_counter() - started < 0.5
-        # A cancelled call ends at once, as a real one does locally: no return leg (with one, every
-        # pre-draft cancelled by a rejection held the next round back by another one-way delay).
-        slow_latency = EmulatedLatency(400.0)
-        slow = open_channel(f"127.0.0.1:{stack.draft_handle.port}", interceptors=[slow_latency])
+        # A call cancelled while the worker still computes ends at once, as a real one does locally:
+        # no return leg (with one, every pre-draft cancelled by a rejection held the next round back
+        # by another one-way delay).
+        def slow_steps(params):
+            time.sleep(1.0)  # (on the worker's model thread) still computing when the caller cancels
+            return original(params)
+        stack.draft.engine.propose_steps = slow_steps
+        slow = open_channel(f"127.0.0.1:{stack.draft_handle.port}", interceptors=[EmulatedLatency(300.0)])
         try:
-            call = asyncio.ensure_future(worker_pb2_grpc.DraftWorkerStub(slow).GetInfo(common_pb2.GetInfoRequest(),
-                                                                                      timeout=10))
-            await asyncio.sleep(0.5)  # past the 400 ms send leg: the answer is on its way back
+            call = asyncio.ensure_future(worker_pb2_grpc.DraftWorkerStub(slow).Propose(
+                worker_pb2.ProposeRequest(session_id="missing", k=2, commit=common_pb2.CacheCommit(cache_len=5)),
+                timeout=10))
+            await asyncio.sleep(0.5)  # past the 300 ms send leg: the worker is in its 1 s step
             started = time.perf_counter()
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
-            assert time.perf_counter() - started < 0.2
+            assert time.perf_counter() - started < 0.15  # (with a return leg: 0.3 s)
         finally:
             await slow.close()
     finally:

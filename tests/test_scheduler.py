@@ -875,12 +875,9 @@ def test_the_typical_gap_learns_from_returns_only() -> None:
             # A call given up before it started is no return: its session is not expected back after it
             # (a new session's would be, after the typical gap; an old one's keeps what it had).
             scheduler._returns["old"] = _Return(99.0, 0.02)
-            for sid in ("new", "old"):
-                job = _Job(sid, call(sid), 99.9, 99.8)
-                scheduler._waiting.append(job)
-        now[0] = 100.5
-        for job in list(scheduler._waiting):
-            scheduler._waiting.remove(job)
+            given_up = [_Job(sid, call(sid), 99.9, 99.8) for sid in ("new", "old")]  # expired unstarted
+            now[0] = 100.5
+        for job in given_up:
             scheduler._end_unstarted(job)
         with scheduler._cond:
             assert "new" not in scheduler._returns and scheduler._returns["old"] == _Return(99.0, 0.02)

@@ -241,7 +241,7 @@ def summarize(runs: list[Run], mode: str, plan: list[System] | None = None,
     for name, rs in by_system.items():
         tps = [r.tokens_per_s for r in rs]
         speedups = [r.tokens_per_s / baseline[r.prompt, r.repeat].tokens_per_s for r in rs
-                    if (r.prompt, r.repeat) in baseline]
+                    if (r.prompt, r.repeat) in baseline and r.tokens_per_s > 0]  # (no tokens: no rate)
         vs_anchor = [r.tokens_per_s / anchor[r.prompt, r.repeat].tokens_per_s for r in rs
                      if (r.prompt, r.repeat) in anchor]
         tokens = sum(r.tokens for r in rs)
