@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from specdec.contract import common_prefix_len
+from specdec.scheduler import out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,16 @@ class GraphDecoder:
         else:
             if cached != length:
                 return None  # a non-resident session's own cache holds all its rows, or it is not ours
-            self.forget()  # the last resident's rows written back before the buffer is overwritten
+            try:
+                self.forget()  # the last resident's rows written back before the buffer is overwritten
+            except Exception as exc:
+                if not out_of_memory(exc):
+                    raise
+                # Nothing changed (write_back is all or nothing): the resident keeps the buffer, and
+                # this step runs eagerly rather than failing its call (failing every neighbour's
+                # step for as long as memory stays short and the resident stays).
+                log.warning("decode graph: writing back the resident session failed (%s); this step runs eagerly", exc)
+                return None
             held = 0
         if any(layer.keys.shape[-2] != cached for layer in layers):
             return None

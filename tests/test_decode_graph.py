@@ -382,25 +382,32 @@ def test_a_failed_write_back_leaves_every_layer_as_it_was_and_the_session_is_re_
 
 def test_a_neighbours_failed_move_in_leaves_the_resident_session_whole(loaded, monkeypatch) -> None:
     """Q's step moves Q into the buffer, writing back P's pending rows first; that write-back runs out
-    of memory. Only Q's step fails: P, which a call of its own may be stepping in the same forward,
-    keeps its tokens and its rows, and its next step computes what a plain step does (trimming P
-    there fed its next token at a shorter position: a wrong token from a one-token verify)."""
-    import specdec.decode_graph as decode_graph
-    core = WorkerCore(loaded, "target")
+    of memory. P, which a call of its own may be stepping in the same forward, keeps its tokens, its
+    rows and the buffer (trimming P there fed its next token at a shorter position: a wrong token
+    from a one-token verify), and Q's step runs eagerly instead of failing."""
+    core, plain = WorkerCore(loaded, "target"), WorkerCore(loaded, "target")
     core.enable_decode_graph(capture=False, max_len=64)
-    p, q = core.empty_session(), core.empty_session()
+    p, q, q_plain = core.empty_session(), core.empty_session(), plain.empty_session()
     core.feed(p, list(range(3, 13)), logits_rows=1)
     core.feed(q, list(range(40, 47)), logits_rows=1)
+    plain.feed(q_plain, list(range(40, 47)), logits_rows=1)
     for token in (20, 21, 22):
         core.feed(p, [token], logits_rows=1)  # P resident, three rows pending in the buffer
     p_tokens = list(p.tokens)
     assert GraphDecoder.cached_len(p) < len(p_tokens)
-    monkeypatch.setattr(decode_graph.torch, "cat",
-                        lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory (test)")))
-    with pytest.raises(torch.OutOfMemoryError):
-        core.feed(q, [50], logits_rows=1)
-    monkeypatch.undo()
+    real_write_back = GraphDecoder.write_back
+
+    def out_of_memory_for_p(self, session, upto=None):
+        if session is p:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real_write_back(self, session, upto)
+    monkeypatch.setattr(GraphDecoder, "write_back", out_of_memory_for_p)
+    steps = core.counters.graph_steps
+    got = core.feed(q, [50], logits_rows=1)
+    assert core.counters.graph_steps == steps  # eager
+    assert torch.allclose(got, plain.feed(q_plain, [50], logits_rows=1), atol=1e-4)
     assert p.tokens == p_tokens and core.decode_graph.decoders[0].resident() is p
+    monkeypatch.undo()
     expected = _plain_step(core, p, 23)  # (writes P's rows back, then a plain step on a copy)
     assert torch.allclose(core.feed(p, [23], logits_rows=1), expected, atol=1e-4)
 
