@@ -559,10 +559,7 @@ class Round:
             # The replica the call goes to: a failure is its own, even if the replica leaves the
             # ring meanwhile (its channel closed mid-call) and the session maps to another.
             health = w.draft_health.for_session(session.session_id)
-            try:
-                replica = getattr(w.draft, "node_for", lambda session_id: None)(session.session_id)
-            except SpecdecError:  # no replica discovered: the call itself says so, and falls back
-                replica = None
+            replica = _replica_of(w.draft, session.session_id)
             try:
                 with calls.counting_sent():
                     reply = await w.draft.propose(session.session_id, commit, k, self.sampling, self.min_draft_prob,
@@ -618,9 +615,8 @@ class Round:
         while True:
             commit = view.commit_for(canonical)
             timeout = self.deadline.cap(w.target_timeout_s)
-            replica = None
+            replica = _replica_of(w.target, session.session_id)
             try:
-                replica = getattr(w.target, "node_for", lambda session_id: None)(session.session_id)
                 with calls.counting_sent():
                     reply = await w.target.verify(session.session_id, commit, drafts, q_payload, self.sampling, timeout)
             except DeadlineExceeded as exc:
@@ -699,6 +695,16 @@ def _draft_token_ms(reply: DraftReply | None) -> float:
     if reply.draft_steps > 0:
         return max(0.0, reply.compute_ms - reply.catchup_ms) / reply.draft_steps
     return reply.compute_ms / len(reply.tokens) if reply.prefilled_tokens <= 1 else 0.0
+
+
+def _replica_of(backend: Any, session_id: str) -> str | None:
+    """The replica a routed backend sends the session's calls to, taken before a call (by its end the
+    session may map elsewhere); None for an unrouted backend or where no replica is discovered (the
+    call itself then fails UNAVAILABLE, handled as such)."""
+    try:
+        return getattr(backend, "node_for", lambda session_id: None)(session_id)
+    except SpecdecError:
+        return None
 
 
 def _log_predraft_failure(what: str, exc: BaseException) -> None:
