@@ -214,8 +214,8 @@ def hit_saved_ms(predraft_wall_ms: float, drafted: int, used: int, draft_ms_per_
     """What a pre-draft hit saved: the draft call a serial round would have made (its round trip
     and one forward per token the round uses) less what the round still waited for the pre-draft.
     The pre-draft's whole wall time overstates it: it also drafted the bonus guess and tokens past
-    this round's k, a forward each (priced at the session's draft cost per token); counted whole,
-    a hit at k = 3 claimed about 5/3 of the drafting it hid."""
+    this round's k, a forward each (priced at the pre-draft's own cost per step: Round._saved_ms);
+    counted whole, a hit at k = 3 claimed about 5/3 of the drafting it hid."""
     serial_call_ms = predraft_wall_ms - max(0, drafted - used) * draft_ms_per_token
     return max(0.0, serial_call_ms - waited_ms)
 
@@ -427,8 +427,12 @@ class Round:
         return used, True, self._saved_ms(pre, used, waited_ms), branch_hit
 
     def _saved_ms(self, predraft: DraftReply, used: DraftReply, waited_ms: float) -> float:
-        return hit_saved_ms(predraft.wall_ms, len(predraft.tokens), len(used.tokens),
-                            self.session.stats.timing.draft_ms_per_token.value, waited_ms)
+        # The tokens past this round's are priced at the pre-draft's own steps, measured in the same
+        # call; the session's running estimate only where the call has none. (The estimate starts
+        # from the draft's startup curve and lags: with a tiny draft it stayed at several times a
+        # step's real cost for a turn, and every hit's saving came out 0.)
+        per_token = _draft_token_ms(predraft) or self.session.stats.timing.draft_ms_per_token.value
+        return hit_saved_ms(predraft.wall_ms, len(predraft.tokens), len(used.tokens), per_token, waited_ms)
 
     @staticmethod
     def _add_calls(total: _Calls, part: _Calls) -> None:
