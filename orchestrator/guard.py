@@ -59,17 +59,22 @@ rounds made 5.7 tok/s per session against target-only's 5.4, but a first round t
 tokens against 1.0 s for one, and 32-token turns came out 3 % slower speculating). So the guard
 compares the modes per turn of the pair's mean length L (over the last 1 / (1 - TURN_MEMORY) or so
 turns that ended): a turn costs its first round plus the rest of L at the mode's steady rate. The
-first rounds are read from turns that began speculating, as pairs: the whole round (what
-speculating paid, for the tokens it made) against its target call alone (what target-only would
-have paid for the same prompt, at the same load and in the same wave of arrivals, for one token).
-Pairing keeps a wave of prompts that happens to fall into one mode's epoch from deciding the
-comparison. A first round counts if it was decided clean (as above) and its draft had no backlog
-to catch up on (a session back from a target-only epoch: that is the epoch's cost, not a turn's).
-Two errors remain, in opposite directions: the target call also ran beside other sessions'
-drafting, which prices target-only's first round a little high; and while target-only wins, first
-rounds are sampled in speculating probes, beside the other sessions' catch-ups, which prices
-speculating's high. Until about three turns (MIN_FIRST_ROUNDS) have begun speculating at the
-current load, the steady rates alone decide.
+first rounds are read from turns that began speculating: the whole round is what speculating paid,
+for the tokens it made. What target-only would have paid for the same prompt, for one token, is
+priced beside it: a steady target-only round plus what the prompt adds to that step on the target's
+rows curve (`prompt_extra_ms`), with the prompt's own size and the forward's sessions. Not the
+round's own target call, as it was priced until loadtest run 62 (2-core Zen 5, 4 streams): that
+call ran beside the other sessions' drafting and draft prefills on the shared cores,
+and took 2.1-2.7 s where target-only's first rounds arriving apart took 0.6-0.9 s, so target-only's turns were
+priced as dear as speculating's and a 7 % loss went on. Where the curve cannot tell (fewer than
+two points), the target call's wall time stands in. A first round counts if it was decided clean
+(as above) and its draft had no backlog to catch up on (a session back from a target-only epoch:
+that is the epoch's cost, not a turn's). Two errors remain: target-only's first round is priced
+without the wait for a step in flight or a wave of other prompts in its forward (a little low: the
+error is towards target-only, the safe mode); and while target-only wins, first rounds are sampled
+in speculating probes, beside the other sessions' catch-ups, which prices speculating's high. Until
+about three turns (MIN_FIRST_ROUNDS) have begun speculating at the current load, the steady rates
+alone decide.
 
 Pure Python, no clock: rates come from the rounds' own times, so tests drive it with synthetic rounds.
 
@@ -142,19 +147,47 @@ class GuardSettings:
         return self
 
 
+def prompt_extra_ms(prompt_rows: float, sessions: float, forward_ms: Callable[[float], float | None]) -> float | None:
+    """What a prompt of `prompt_rows` adds to a target-only step beside `sessions` - 1 other
+    sessions' single decode rows, on the target's rows curve: T(others + prompt) - T(others + 1).
+    None where the curve cannot tell."""
+    if prompt_rows <= 1:
+        return 0.0
+    others = max(0.0, sessions - 1.0)
+    with_prompt, steady = forward_ms(others + prompt_rows), forward_ms(others + 1.0)
+    if with_prompt is None or steady is None:
+        return None
+    return max(0.0, with_prompt - steady)
+
+
 @dataclass
 class FirstRounds:
     """Decayed sums over the first rounds of turns that began speculating (see the module doc)."""
     turns: float = 0.0
     round_ms: float = 0.0   # the whole round: what speculating paid
-    target_ms: float = 0.0  # its target call's wall time: what target-only would have paid
     tokens: float = 0.0     # what speculating made (target-only: one token)
+    # What target-only would have paid for each: a steady target-only round plus the prompt's extra
+    # on the target's rows curve (`prompt_extra_ms`), where the curve could tell ...
+    modelled: float = 0.0   # (decayed count of those rounds)
+    prompt_ms: float = 0.0
+    target_ms: float = 0.0  # ... else the round's target call's wall time (the pairing)
 
-    def add(self, round_ms: float, target_ms: float, tokens: int) -> None:
+    def add(self, round_ms: float, target_ms: float, tokens: int, prompt_ms: float | None = None) -> None:
         self.turns = self.turns * TURN_MEMORY + 1.0
         self.round_ms = self.round_ms * TURN_MEMORY + round_ms
-        self.target_ms = self.target_ms * TURN_MEMORY + min(target_ms, round_ms)
         self.tokens = self.tokens * TURN_MEMORY + tokens
+        self.modelled *= TURN_MEMORY
+        self.prompt_ms *= TURN_MEMORY
+        self.target_ms *= TURN_MEMORY
+        if prompt_ms is not None:
+            self.modelled += 1.0
+            self.prompt_ms += min(prompt_ms, round_ms)
+        else:
+            self.target_ms += min(target_ms, round_ms)
+
+    def target_only_ms(self, off_rate: float) -> float:
+        """The mean price of target-only's first round, at its steady rate `off_rate` (tokens per ms)."""
+        return (self.prompt_ms + self.modelled / off_rate + self.target_ms) / self.turns
 
 
 def per_turn_rates(spec_rate: float, off_rate: float, turn_tokens: float,
@@ -165,7 +198,7 @@ def per_turn_rates(spec_rate: float, off_rate: float, turn_tokens: float,
     if n <= 0 or spec_rate <= 0 or off_rate <= 0 or turn_tokens <= 0:
         return None
     spec_ms = first.round_ms / n + max(0.0, turn_tokens - first.tokens / n) / spec_rate
-    off_ms = first.target_ms / n + max(0.0, turn_tokens - 1.0) / off_rate
+    off_ms = first.target_only_ms(off_rate) + max(0.0, turn_tokens - 1.0) / off_rate
     if spec_ms <= 0 or off_ms <= 0:
         return None
     return turn_tokens / spec_ms, turn_tokens / off_ms
@@ -395,11 +428,12 @@ class PairGuard:
 
     def observe(self, ticket: GuardTicket, tokens: int, round_ms: float, steady: bool, drafted: bool,
                 first: bool = False, target_ms: float = 0.0, catching_up: bool = False,
-                turn_tokens: int | None = None) -> None:
+                turn_tokens: int | None = None, prompt_ms: float | None = None) -> None:
         """The round decided under `ticket` made `tokens` tokens in `round_ms` (drafted: it ran k > 0).
         first: it was its turn's first round, whose target call took `target_ms`; catching_up: its
         draft also prefilled tokens of earlier rounds; turn_tokens: it ended its turn, which made
-        that many tokens.
+        that many tokens; prompt_ms: what its prompt would have added to a target-only step
+        (`prompt_extra_ms`; None where unknown).
 
         Towards the steady rates it counts only if it is steady, of the current epoch, and was decided
         after every round of earlier epochs had ended: a target-only round beside another session's
@@ -410,7 +444,7 @@ class PairGuard:
         self.abandon(ticket)
         if (first and ticket.mode == SPECULATE and ticket.clean and not catching_up
                 and ticket.load_era == self._load_era and round_ms > 0 and target_ms > 0):
-            self.first_rounds.add(round_ms, target_ms, tokens)
+            self.first_rounds.add(round_ms, target_ms, tokens, prompt_ms)
         if turn_tokens is not None and turn_tokens > 0:
             self._turns = self._turns * TURN_MEMORY + 1.0
             self._turn_tokens = self._turn_tokens * TURN_MEMORY + turn_tokens

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.backends import SENT_BYTES, DraftBackend, DraftReply, TargetBackend, VerifyReply
-from orchestrator.guard import GuardTicket, PairGuard, without_prompt_rows
+from orchestrator.guard import GuardTicket, PairGuard, prompt_extra_ms, without_prompt_rows
 from orchestrator.kpolicy import branch_budget, predraft_depth
 from orchestrator.record import RoundRecord
 from orchestrator.routing import bounded_entry
@@ -280,14 +280,16 @@ class Round:
         # Any other round: other sessions' prompts in the verify's forward are not this mode's cost
         # (see the guard's doc).
         first = record.index == 1
+        forward_ms = self.session.stats.timing.load.forward_ms
         round_ms = record.round_ms if first else without_prompt_rows(
-            record.round_ms, record.verify_ms, record.target_rows, record.target_prompt_rows,
-            self.session.stats.timing.load.forward_ms)
+            record.round_ms, record.verify_ms, record.target_rows, record.target_prompt_rows, forward_ms)
         self.turn_tokens += len(record.emitted)
         guard.observe(ticket, len(record.emitted), round_ms, record.steady,
                       record.drafted > 0, first=first, target_ms=record.verify_wall_ms,
                       catching_up=record.draft_prefilled > record.target_prefilled + 2,
-                      turn_tokens=self.turn_tokens if record.finish is not None else None)
+                      turn_tokens=self.turn_tokens if record.finish is not None else None,
+                      prompt_ms=prompt_extra_ms(record.target_prefilled, record.target_batch, forward_ms)
+                      if first else None)
         return dataclasses.replace(record, guard=ticket.mode)
 
     async def run(self, k: int) -> RoundRecord:

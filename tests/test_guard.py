@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator.config import SpeculationConfig, SpeculationConfigError, SpeculationOverride
 from orchestrator.guard import (MEASUREMENT_COST, SPECULATE, TARGET_ONLY, TURN_MEMORY, FirstRounds, GuardSettings,
-                               PairGuard, per_turn_rates, without_prompt_rows)
+                               PairGuard, per_turn_rates, prompt_extra_ms, without_prompt_rows)
 from tests.stack import Stack, start_stack
 from tests.test_e2e_generate import reference_greedy
 
@@ -179,7 +179,37 @@ def play_turns(guard: PairGuard, turns: int, turn_tokens: int, spec_round: tuple
     return ks
 
 
-def test_per_turn_rates_price_a_turns_first_round_against_its_target_call() -> None:
+def test_prompt_extra_ms_is_what_a_prompt_adds_to_a_target_only_step() -> None:
+    def curve(rows: float) -> float:
+        return 100.0 + 10.0 * rows
+    # 3 sessions in the forward: 2 others' decode rows, plus 48 prompt rows instead of one.
+    assert prompt_extra_ms(48, 3.0, curve) == pytest.approx(curve(50) - curve(3))
+    assert prompt_extra_ms(48, 1.0, curve) == pytest.approx(curve(48) - curve(1))  # alone
+    assert prompt_extra_ms(1, 4.0, curve) == 0.0 and prompt_extra_ms(0, 4.0, curve) == 0.0  # no prompt to price
+    assert prompt_extra_ms(48, 3.0, lambda rows: None) is None  # a curve that cannot tell
+
+
+def test_per_turn_rates_price_target_onlys_first_round_on_its_steady_rate_and_the_prompts_extra() -> None:
+    # Loadtest run 62 (2-core Zen 5, 4 streams, first rounds of turns arriving apart): speculating
+    # 2.6 s for 2.75 tokens; the round's own target call took 2.2 s beside the others' drafting, where
+    # target-only's first rounds took 0.6-0.9 s. Steady: speculating 5.0, target-only 4.4 tok/s per session.
+    paired, modelled = FirstRounds(), FirstRounds()
+    paired.add(2600.0, 2200.0, 2.75)
+    modelled.add(2600.0, 2200.0, 2.75, prompt_ms=450.0)  # T(2.5 + 48) - T(3.5) on the target's curve
+    spec_rate, off_rate = 0.0050, 0.0044
+    spec, off = per_turn_rates(spec_rate, off_rate, 32.0, paired)
+    assert spec > off  # priced against its target call, speculating's turns looked the faster (wrongly)
+    spec, off = per_turn_rates(spec_rate, off_rate, 32.0, modelled)
+    assert spec * 1000 == pytest.approx(32 / (2600 + 29.25 / spec_rate) * 1000)
+    assert off * 1000 == pytest.approx(32 / (450 + 32 / off_rate) * 1000)  # the prompt's extra, then 32 steady rounds
+    assert off > spec
+    # Rounds priced either way mix, each with its own price, decayed alike.
+    modelled.add(1000.0, 700.0, 3)
+    assert modelled.target_only_ms(off_rate) == pytest.approx(
+        ((450 + 1 / off_rate) * TURN_MEMORY + 700) / (1 + TURN_MEMORY))
+
+
+def test_per_turn_rates_price_a_turns_first_round_against_its_target_call_where_no_curve_can_tell() -> None:
     # Loadtest run 27, 4 streams: a first round speculating 1793 ms for 2.9 tokens, target-only's
     # 1028 ms (here: its target call), steady 5.68 against 5.43 tok/s per session, 32-token turns.
     first = FirstRounds()
@@ -348,24 +378,33 @@ def test_a_guarded_round_hands_the_guard_its_time_without_the_prompt_rows() -> N
 
     class Spy(PairGuard):
         def observe(self, ticket, tokens, round_ms, steady, drafted, first=False, target_ms=0.0,
-                    catching_up=False, turn_tokens=None):
-            seen.append((tokens, round_ms, steady, drafted, first, catching_up, turn_tokens))
-            super().observe(ticket, tokens, round_ms, steady, drafted, first, target_ms, catching_up, turn_tokens)
+                    catching_up=False, turn_tokens=None, prompt_ms=None):
+            seen.append((tokens, round_ms, steady, drafted, first, catching_up, turn_tokens, prompt_ms))
+            super().observe(ticket, tokens, round_ms, steady, drafted, first, target_ms, catching_up, turn_tokens,
+                            prompt_ms)
     guard = Spy(GuardSettings(spec_rounds=1, off_rounds=1))
     out = asyncio.run(round_.run_guarded(0, guard, guard.decide()))
-    assert seen == [(1, pytest.approx(55.0), True, False, False, False, None)]
+    assert seen == [(1, pytest.approx(55.0), True, False, False, False, None, None)]
     assert out.round_ms == 105.0 and out.guard == SPECULATE  # the record itself keeps the measured time
-    # A turn's first round goes to the guard whole, paired with its target call's wall time.
+    # A turn's first round goes to the guard whole, with what its 40-token prompt would add to a
+    # target-only step beside the forward's 2 other sessions: T(2 + 40) - T(2 + 1) = 50 - 11 ms.
     record = dataclasses.replace(record, index=1, k=3, drafts=(1, 2, 3), target_prefilled=40, draft_prefilled=40,
                                  round_ms=900.0, verify_ms=500.0, verify_wall_ms=520.0, emitted=(1, 2, 5))
     asyncio.run(round_.run_guarded(3, guard, guard.decide()))
-    assert seen[-1] == (3, 900.0, False, True, True, False, None)
-    assert (guard.first_rounds.turns, guard.first_rounds.round_ms, guard.first_rounds.target_ms,
-            guard.first_rounds.tokens) == (1.0, 900.0, 520.0, 3.0)
+    assert seen[-1] == (3, 900.0, False, True, True, False, None, pytest.approx(39.0))
+    first = guard.first_rounds
+    assert (first.turns, first.round_ms, first.tokens, first.modelled, first.target_ms) == (1.0, 900.0, 3.0, 1.0, 0.0)
+    assert first.prompt_ms == pytest.approx(39.0)
     # A draft that also prefilled a backlog is catching up; the round that ends the turn says how long it was.
     record = dataclasses.replace(record, draft_prefilled=60, finish="length")
     asyncio.run(round_.run_guarded(3, guard, guard.decide()))
-    assert seen[-1] == (3, 900.0, False, True, True, True, 1 + 3 + 3)
+    assert seen[-1] == (3, 900.0, False, True, True, True, 1 + 3 + 3, pytest.approx(39.0))
+    # With no rows curve to price the prompt on, the round's target call's wall time stands in.
+    session.stats.timing.load = TargetLoad()
+    record = dataclasses.replace(record, draft_prefilled=40, finish=None)
+    asyncio.run(round_.run_guarded(3, guard, guard.decide()))
+    assert seen[-1][-1] is None
+    assert first.target_ms == pytest.approx(520.0) and first.modelled == pytest.approx(TURN_MEMORY)
 
 
 def test_the_guard_follows_a_change_of_winner_both_ways(caplog: pytest.LogCaptureFixture) -> None:
