@@ -1,7 +1,7 @@
 # The three commands of the README. Everything runs from the project venv (.venv).
 PY := .venv/bin/python
 
-.PHONY: setup setup-ci test test-slow demo protos bench
+.PHONY: setup setup-ci test test-slow demo protos
 
 setup:            ## venv + deps + protobuf code + embedded models (one-time, ~10 min)
 	./scripts/setup.sh

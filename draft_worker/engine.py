@@ -66,8 +66,8 @@ class DraftEngine:
                 # timed apart so the orchestrator sees the per-token drafting cost on its own.
                 stats.catchup_ms = timer.elapsed_ms()
                 position = len(session.tokens)
-                # The context may not have room for k more tokens.
-                k = max(0, min(params.k, self.core.max_context - position))
+                # The context, or the whole KV budget, may not have room for k more tokens.
+                k = max(0, min(params.k, self.core.max_context - position, self.core.budget_tokens() - position))
                 drafting = draft_steps(logits[-1, :self.draftable], k, params.sampling, position, self.max_q_entries,
                                        params.min_draft_prob, SeededRandomness(params.sampling.seed),
                                        context=session.context_key())  # draws keyed by the whole prefix

@@ -58,15 +58,17 @@ class OrchestratorConfig:
     emulated_one_way_ms: float = 0.0  # benchmarks: network latency emulated on loopback
 
 
-async def wait_for_worker(backend: Any, timeout_s: float):
-    """Workers may still be loading their model: retry GetInfo until timeout."""
+async def wait_for_worker(backend: Any, timeout_s: float, role: str = "worker"):
+    """Workers may still be loading their model: retry GetInfo until timeout, then exit naming the
+    worker (a clear last log line for the pod, not a traceback)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         try:
             return await backend.describe(timeout_s=5.0)
-        except (WorkerUnavailable, DeadlineExceeded):
+        except (WorkerUnavailable, DeadlineExceeded) as exc:
             if asyncio.get_running_loop().time() > deadline:
-                raise
+                raise SystemExit(f"the {role} worker did not answer GetInfo within --connect-timeout-s "
+                                 f"({timeout_s:.0f} s): {exc}") from exc
             await asyncio.sleep(0.5)
 
 
@@ -74,8 +76,9 @@ async def wait_for_workers(target: Any, draft: Any, timeout_s: float) -> tuple[A
     """Both workers' descriptions, within one timeout for the two (the k8s startup probe is sized
     on it: each with its own, the orchestrator could wait twice as long and be killed first)."""
     started = asyncio.get_running_loop().time()
-    target_info = await wait_for_worker(target, timeout_s)
-    return target_info, await wait_for_worker(draft, timeout_s - (asyncio.get_running_loop().time() - started))
+    target_info = await wait_for_worker(target, timeout_s, "target")
+    return target_info, await wait_for_worker(draft, timeout_s - (asyncio.get_running_loop().time() - started),
+                                              "draft")
 
 
 SETTLE_S = 5.0  # at shutdown, the most to wait for sessions being ended on the workers

@@ -226,11 +226,16 @@ class SpeculationConfig:
             return replace(self, **values).validate()
         except TypeError as exc:  # e.g. max_k = "8" in a TOML file
             raise SpeculationConfigError(f"{source}: a [speculation] value has the wrong type: {exc}") from exc
+        except SpeculationConfigError as exc:  # say where the bad value came from
+            raise SpeculationConfigError(f"{source}: {exc}") from exc
 
     @classmethod
     def from_toml(cls, path: str, base: "SpeculationConfig | None" = None) -> "SpeculationConfig":
         with open(path, "rb") as f:
-            document = tomllib.load(f)
+            try:
+                document = tomllib.load(f)
+            except tomllib.TOMLDecodeError as exc:
+                raise SpeculationConfigError(f"{path}: not valid TOML: {exc}") from exc
         # Everything outside [speculation] was ignored: a file without the header, or with it
         # misspelled, loaded as the defaults without a word.
         unknown = sorted(set(document) - {"speculation"})

@@ -143,6 +143,11 @@ def parse_targets(spec: str) -> tuple[list[str], str | None]:
     addresses = [s.strip() for s in spec.split(",") if s.strip()]
     if not addresses:
         raise ValueError(f"{spec!r}: no worker address (HOST:PORT[,HOST:PORT...] or dns:///NAME:PORT)")
+    for address in addresses:
+        # Refused here, not after --connect-timeout-s of failing to connect to a typo.
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{address!r} in {spec!r}: a worker address is HOST:PORT with a port in 1..65535")
     return addresses, None
 
 

@@ -265,8 +265,10 @@ class WorkerCore:
                 self._fed(session, tokens)
                 return logits
         input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        # A failed write-back changes nothing (decode_graph.write_back): the session stays as it was,
+        # its rows still in the buffer, and only this call fails; no re-prefill for it.
+        self.sync(session)
         try:
-            self.sync(session)
             out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
                              logits_to_keep=logits_rows)
         except BaseException:
@@ -291,17 +293,26 @@ class WorkerCore:
         if taking_turns or self._ragged is None:
             return [self._feed_or_error(s) for s in steps]
         from specdec.ragged import RaggedItem
-        try:
-            for step in steps:
+        failed: dict[int, Exception] = {}
+        for index, step in enumerate(steps):
+            # One session's failed write-back (out of memory) is its own call's error: it changes
+            # nothing (decode_graph.write_back), and the other sessions' caches are intact.
+            try:
                 self.sync(step.session)
-            outputs = self._ragged([RaggedItem(s.session.cache, s.tokens, s.logits_rows) for s in steps])
+            except Exception as exc:  # noqa: BLE001 - handed to the step's own call by the scheduler
+                log.warning("writing back a session's buffered rows failed; only its call fails: %s", exc)
+                failed[index] = exc
+        running = [step for index, step in enumerate(steps) if index not in failed]
+        try:
+            results = iter(self._ragged([RaggedItem(s.session.cache, s.tokens, s.logits_rows) for s in running])
+                           if running else [])
         except BaseException:
-            for step in steps:
+            for step in running:
                 self._discard(step.session)
             raise
-        for step in steps:
+        for step in running:
             self._fed(step.session, step.tokens)
-        return outputs
+        return [failed[index] if index in failed else next(results) for index in range(len(steps))]
 
     def _feed_or_error(self, step: ForwardStep) -> torch.Tensor | Exception:
         try:
@@ -325,6 +336,11 @@ class WorkerCore:
         session.cache = new_cache(self.model)
         session.tokens.clear()
         del session.prefix_keys[:]
+
+    def budget_tokens(self) -> int:
+        """The most tokens one session's cache can hold in the whole KV budget (bytes per token as
+        estimated from the model config until measured)."""
+        return self.store.max_bytes // max(1, self._bytes_per_token)
 
     def _fed(self, session: WorkerSession, tokens: Sequence[int]) -> None:
         session.tokens.extend(tokens)
@@ -370,14 +386,21 @@ class WorkerCore:
         total = commit.cache_len + len(commit.append_tokens) + len(extra_tokens)
         if total > self.max_context:
             raise InvalidRequest(f"sequence of {total} tokens exceeds the model context of {self.max_context}")
+        # Room for the drafts stops where the whole budget does: a draft near it drafts fewer tokens
+        # (DraftEngine clamps k the same way), rather than its call being refused INVALID_ARGUMENT.
+        grow_by = max(0, min(grow_by, self.budget_tokens() - total))
         self.check_tokens(commit.append_tokens, "commit.append_tokens")
         self.check_tokens(extra_tokens, "tokens")
         if fork_from is not None:
             self.fork(session_id, fork_from, slot, commit, len(commit.append_tokens) + len(extra_tokens) + grow_by)
         source_held = fork_from is not None and self.store.peek(slot_key(session_id, fork_from)) is not None
-        self._mark_live_slot(session_id, fork_from if source_held else slot)
-        session_id = slot_key(session_id, slot)
+        live_slot = fork_from if source_held else slot
+        base_id, session_id = session_id, slot_key(session_id, slot)
         session = self._checkout(session_id, commit)
+        created = not session.tokens
+        # Only once the slot is there: a call on an evicted branch fails NOT_FOUND without marking
+        # the live cache a stale copy (first to be evicted).
+        self._mark_live_slot(base_id, live_slot)
         feed_tokens = list(commit.append_tokens)
         keep = commit.cache_len
         # What the cache already holds past cache_len of the appended tokens is kept, not fed again:
@@ -394,7 +417,7 @@ class WorkerCore:
                 feed_tokens = [session.tokens[keep]]
             self._reserve(session_id, min(total + grow_by, self.max_context))
         except SpecdecError:
-            if not session.tokens or fork_from is not None:  # created for this call: not kept for a refusal
+            if created or fork_from is not None:  # created for this call: not kept for a refusal
                 self.store.pop(session_id)
             raise
         try:
@@ -404,6 +427,8 @@ class WorkerCore:
                                        crop_to=keep)
         except BaseException:
             self.store.unpin(session_id)
+            if created and not session.tokens:  # created for this call and never fed: not kept
+                self.store.pop(session_id)
             raise
         stats.fed_tokens += len(feed_tokens) + len(extra_tokens)
         return session, logits

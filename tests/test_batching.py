@@ -192,7 +192,8 @@ def test_a_batched_forward_out_of_memory_is_resource_exhausted_for_its_calls() -
             with pytest.raises(CapacityExceeded, match="out of memory") as failed:
                 future.result(30)
             assert failed.value.code_name == "RESOURCE_EXHAUSTED" and failed.value.retry_after_ms > 0
-        assert core.session_tokens("a") == [] and core.session_tokens("b") == []  # reset: nothing to trust
+        # Nothing to trust, and both were created for these calls: not kept (held to --max-sessions)
+        assert core.session_tokens("a") is None and core.session_tokens("b") is None
         assert verify("a").result(30).next_token == first.result().next_token  # the retry from the prefix
     finally:
         scheduler.close()
@@ -379,6 +380,19 @@ def test_calls_admitted_together_cannot_overcommit_the_kv_budget() -> None:
         next(engine.verify_steps(VerifyParams("b", Commit(0, 0, prompt), (), (), SamplingConfig())))
     first.close()
     assert "b" not in core.store  # the refused call leaves no empty session behind
+    assert "a" not in core.store  # nor the admitted one, cancelled before its forward ran
+
+
+def test_a_draft_near_the_whole_budget_drafts_fewer_tokens_rather_than_fail() -> None:
+    """Budget 40 tokens, a 35-token session, k = 8: the reservation for 8 drafts was over the whole
+    budget, so every such Propose was INVALID_ARGUMENT (and its round target-only), although 5 fit."""
+    from draft_worker.engine import DraftEngine, ProposeParams
+    from specdec.contract import Commit, SamplingConfig
+    core = _budget_core("draft", 40)
+    engine = DraftEngine(core)
+    result = engine.propose(ProposeParams("s", Commit(0, 0, tuple(range(3, 38))), 8, SamplingConfig()))
+    assert len(result.tokens) == 5 and result.cache_len == 39  # (the last draft is not fed)
+    assert core.store.total_bytes() <= core.store.max_bytes
 
 
 def test_a_call_that_cannot_fit_evicts_nobody() -> None:

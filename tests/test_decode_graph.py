@@ -349,7 +349,7 @@ def test_steps_with_rows_still_in_the_buffer_match_a_plain_core_step_for_step(lo
     assert GraphDecoder.cached_len(a) < len(a.tokens) == len(b.tokens)
 
 
-def test_a_failed_write_back_leaves_every_layer_as_it_was_and_the_session_is_re_prefilled(loaded, monkeypatch) -> None:
+def test_a_failed_write_back_leaves_every_layer_as_it_was_and_the_session_as_it_was(loaded, monkeypatch) -> None:
     import specdec.decode_graph as decode_graph
     core = WorkerCore(loaded, "draft")
     core.enable_decode_graph(capture=False, max_len=64)
@@ -374,10 +374,53 @@ def test_a_failed_write_back_leaves_every_layer_as_it_was_and_the_session_is_re_
     with pytest.raises(torch.OutOfMemoryError):
         core.feed(session, [30, 31], logits_rows=2)  # the eager forward's write-back fails
     monkeypatch.undo()
-    assert session.tokens == [] and GraphDecoder.cached_len(session) == 0  # discarded: re-prefilled next
-    core.feed(session, list(range(3, 13)), logits_rows=1)
+    # Nothing ran and nothing changed: the session goes on as it was, its rows still buffered, with
+    # no re-prefill (a session emptied here must re-prefill just when memory is short).
+    assert session.tokens == list(range(3, 13)) + [20, 21, 22]
+    assert GraphDecoder.cached_len(session) < len(session.tokens)
     expected = _plain_step(core, session, 9)
     assert torch.allclose(core.feed(session, [9], logits_rows=1), expected, atol=1e-4)
+
+
+def test_a_failed_write_back_in_a_batched_forward_fails_only_its_own_session(loaded, monkeypatch) -> None:
+    """Three sessions share a ragged forward; the write-back of the one whose rows wait in the
+    decode graph's buffer runs out of memory. Its step's output is the error and it stays as it
+    was; the other two run, as a plain core computes them (they were all discarded before)."""
+    from specdec.worker_core import ForwardStep
+    core, plain = WorkerCore(loaded, "draft"), WorkerCore(loaded, "draft")
+    core.enable_decode_graph(capture=False, max_len=64)
+    assert core._ragged is not None
+    sessions = [WorkerSession(cache=new_cache(loaded.model)) for _ in range(3)]
+    twins = [WorkerSession(cache=new_cache(loaded.model)) for _ in range(3)]
+    for i, (session, twin) in enumerate(zip(sessions, twins)):
+        prompt = list(range(3 + i, 11 + i))
+        core.feed(session, prompt, logits_rows=1)
+        plain.feed(twin, prompt, logits_rows=1)
+    resident = sessions[0]
+    for token in (20, 21):  # its rows now only in the buffer
+        core.feed(resident, [token], logits_rows=1)
+        plain.feed(twins[0], [token], logits_rows=1)
+    assert GraphDecoder.cached_len(resident) < len(resident.tokens)
+    held = list(resident.tokens)
+
+    write_back = core.decode_graph.write_back
+
+    def write_back_failing_for_the_resident(session, upto=None):
+        # (a failed write-back changes nothing: test_a_failed_write_back_leaves_every_layer_...)
+        if session is resident:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return write_back(session, upto)
+    monkeypatch.setattr(core.decode_graph, "write_back", write_back_failing_for_the_resident)
+    out = core.feed_many([ForwardStep(s, [30 + i, 40 + i], 2) for i, s in enumerate(sessions)])
+    monkeypatch.undo()
+    assert isinstance(out[0], torch.OutOfMemoryError) and resident.tokens == held
+    for i in (1, 2):
+        expected = plain.feed(twins[i], [30 + i, 40 + i], logits_rows=2)
+        assert torch.allclose(out[i], expected, atol=1e-4), i
+        assert sessions[i].tokens == twins[i].tokens
+    # The failed one goes on from where it was.
+    assert torch.allclose(core.feed(resident, [30, 40], logits_rows=2),
+                          plain.feed(twins[0], [30, 40], logits_rows=2), atol=1e-4)
 
 
 def test_a_neighbours_failed_move_in_leaves_the_resident_session_whole(loaded, monkeypatch) -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -93,23 +94,35 @@ def test_other_threads_read_the_byte_total_while_the_model_thread_reorders() -> 
     stop = threading.Event()
     errors: list[BaseException] = []
 
+    for i in range(0, 10_000, 2):  # calls in progress: total_bytes walks the pinned sessions
+        store.pin(f"s{i}")
+
     def model_thread() -> None:
+        # Reorders the LRU list and pins / unpins, as calls come and go.
         i = 0
         while not stop.is_set():
             store.get(f"s{i % 10_000}")
+            key = f"s{(i * 13) % 10_000}"
+            store.pin(key)
+            if (i * 13) % 2:
+                store.unpin(key)
             i += 7
 
     thread = threading.Thread(target=model_thread)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads take turns inside a walk, not only between walks
     thread.start()
     try:
         for _ in range(30):
             try:
                 assert store.total_bytes() == 10_000
+                assert len(store.keys()) == 10_000
             except RuntimeError as exc:
                 errors.append(exc)
     finally:
         stop.set()
         thread.join()
+        sys.setswitchinterval(switch)
     assert errors == []
 
 

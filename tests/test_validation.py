@@ -136,11 +136,16 @@ def test_a_config_file_outside_its_table_or_a_bad_flag_is_refused_clearly(tmp_pa
     from orchestrator.config import SpeculationConfig, SpeculationConfigError
 
     for text, match in (("max_k = 3\n", "unknown top-level key"), ("[speculaton]\nmax_k = 3\n", "speculaton"),
-                        ("speculation = 3\n", "must be a table"), ("[[speculation]]\nmax_k = 3\n", "must be a table")):
+                        ("speculation = 3\n", "must be a table"), ("[[speculation]]\nmax_k = 3\n", "must be a table"),
+                        # a bad value or bad TOML names the file it is in
+                        ("[speculation]\nmax_k = 6.0\n", "c.toml: max_k must be an integer"),
+                        ("[speculation]\nmax_k = [3\n", "c.toml: not valid TOML")):
         path = tmp_path / "c.toml"
         path.write_text(text)
         with pytest.raises(SpeculationConfigError, match=match):
             SpeculationConfig.from_toml(str(path))
+    with pytest.raises(SpeculationConfigError, match="^flags: need 0 <= min_k"):
+        SpeculationConfig().with_values({"max_k": 99}, "flags")
     parser = argparse.ArgumentParser()
     add_args(parser)
     base = ["--draft", "127.0.0.1:1", "--target", "127.0.0.1:2"]
