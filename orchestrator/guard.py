@@ -12,7 +12,11 @@ the draft's load is really gone), and compares the tokens per millisecond that t
 rounds made in each. Most of the time the pair runs the mode that won; short epochs of the other
 mode re-measure it. The winner's epochs last 4x the time of the other's, doubled per decision that
 confirms it (up to 4 x `max_stretch`), and long enough that the loser's epochs cost about
-MEASUREMENT_COST of the throughput: a clear winner is re-checked ever more rarely.
+MEASUREMENT_COST of the throughput: a clear winner is re-checked ever more rarely. The other's time
+is that of every round its epoch decided, not only those its rate counts: a speculating probe
+after target-only epochs begins with each session's draft catching up on its whole backlog, and
+turns that begin in it pay their prompts on the draft (loadtest run 63, 2-core Zen 5, 8 streams:
+a probe of 28 rounds prefilled 531 tokens on the draft, its first rounds ran 3-5 s for 1-2 tokens).
 
 A speculating probe that trails target-only by GuardSettings.cut_loss (25 %) at half its rounds
 ends there (`_probe_clearly_lost`); target-only epochs never end early (target-only is the safe mode).
@@ -241,7 +245,9 @@ class PairGuard:
         self.decisions = 0
         self.flips = 0
         self._outstanding: dict[int, int] = {}  # epoch -> rounds decided in it and still running
-        self._last_ms = {SPECULATE: 0.0, TARGET_ONLY: 0.0}  # counted round time of each mode's last epoch
+        # Round time of each mode's last epoch: its counted rounds, and the rest it decided (a
+        # speculating probe's catch-ups and first rounds cost as much, uncounted in its rate).
+        self._last_ms = {SPECULATE: 0.0, TARGET_ONLY: 0.0}
         self._needed_rounds, self._needed_ms = self._length(SPECULATE)
         self._in_flight_peak = 0  # most rounds of this pair running at once during this epoch
         self._recent_in_flight: deque[int] = deque(maxlen=LOAD_WINDOW)  # rounds in flight at each decision
@@ -263,6 +269,7 @@ class PairGuard:
         self._drafting = 0    # counted rounds that drafted
         self._tokens = 0.0
         self._ms = 0.0
+        self._uncounted_ms = 0.0
 
     def __deepcopy__(self, memo: dict) -> "PairGuard":
         return self
@@ -449,6 +456,8 @@ class PairGuard:
             self._turns = self._turns * TURN_MEMORY + 1.0
             self._turn_tokens = self._turn_tokens * TURN_MEMORY + turn_tokens
         if ticket.epoch != self.epoch or not ticket.clean or not steady or round_ms <= 0:
+            if ticket.epoch == self.epoch and round_ms > 0:
+                self._uncounted_ms += round_ms
             return
         self._counted += 1
         self._drafting += int(drafted)
@@ -552,7 +561,7 @@ class PairGuard:
         """`as_ms`: the counted ms the epoch counts as in the sizing of later ones; `cut`: a probe
         ended early (_probe_clearly_lost)."""
         self.rates[self.mode] = self._tokens / self._ms
-        self._last_ms[self.mode] = self._ms if as_ms is None else as_ms
+        self._last_ms[self.mode] = (self._ms if as_ms is None else as_ms) + self._uncounted_ms
         measured = self.mode != self.winner  # the short epoch of the other mode just ended
         if measured:
             self._decide(cut=cut)
@@ -572,6 +581,7 @@ class PairGuard:
         self._epoch_load = self.load
         self._epoch_decisions = 0
         self._counted, self._drafting, self._tokens, self._ms = 0, 0, 0.0, 0.0
+        self._uncounted_ms = 0.0  # rounds decided in this epoch and not counted in its rate
 
     def _decide(self, cut: bool = False) -> None:
         """Compare the modes' latest rates. An outcome that agrees with the current winner lengthens

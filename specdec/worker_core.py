@@ -49,7 +49,15 @@ class WorkerSession:
         return keys[length - 1] if length > 0 else EMPTY_CONTEXT_KEY
 
     def nbytes(self) -> int:
-        return cache_nbytes(self.cache)
+        """The bytes its cache holds, with the rows that only the decode graph's buffer holds yet
+        counted at the cache's own bytes per row: those land in the cache later, maybe while the
+        session is idle (another session takes the buffer), where nothing measures it again."""
+        held = cache_nbytes(self.cache)
+        layers = getattr(self.cache, "layers", None)
+        keys = getattr(layers[0], "keys", None) if layers else None
+        cached = 0 if keys is None else keys.shape[-2]
+        pending = len(self.tokens) - cached
+        return held + held * pending // cached if cached > 0 and pending > 0 else held
 
 
 @dataclass

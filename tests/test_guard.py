@@ -67,6 +67,29 @@ def test_where_target_only_wins_the_pair_stops_speculating_after_one_measurement
     assert 0 < spec_ms / (spec_ms + off_ms) < MEASUREMENT_COST / 0.25, (spec_ms, off_ms)
 
 
+def test_a_probes_uncounted_rounds_count_in_what_it_cost() -> None:
+    """The winner's hold is sized on the loser's last epoch. A speculating probe's catch-up rounds
+    (each session's draft prefilling its backlog after target-only epochs) are not in its rate, but
+    they are its cost: sized on its counted rounds alone, probes came as often with a backlog to
+    catch up on as without one."""
+    def hold_after_probe(catch_up_ms: float) -> float:
+        guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+        play(guard, 40, spec_round=(3, 200.0), off_round=(1, 50.0))  # 32 speculating, 8 target-only
+        assert not guard.speculation_wins and guard.mode == TARGET_ONLY
+        needed = guard._needed_ms
+        while guard.mode == TARGET_ONLY:  # the hold, up to the next probe
+            play(guard, 1, spec_round=(3, 200.0), off_round=(1, 50.0))
+        guard.observe(guard.decide(), 2, catch_up_ms, steady=False, drafted=True, catching_up=True)
+        late = guard.decide()
+        guard.abandon(late)  # a round abandoned measures nothing
+        play(guard, 32, spec_round=(3, 200.0), off_round=(1, 50.0))
+        assert guard.mode == TARGET_ONLY and guard._last_ms[SPECULATE] == pytest.approx(6400.0 + catch_up_ms)
+        return guard._needed_ms / needed
+    # Both holds are the loss's factor (25 % / MEASUREMENT_COST, above 4x and 8x) times the probe.
+    assert hold_after_probe(0.0) == pytest.approx(1.0)
+    assert hold_after_probe(3200.0) == pytest.approx(1.5)
+
+
 def speculating_runs(ks: list[int]) -> list[int]:
     """The lengths of the runs of consecutive rounds at k > 0."""
     return [len(list(group)) for speculating, group in itertools.groupby(ks, key=bool) if speculating]
