@@ -58,9 +58,10 @@ class OrchestratorConfig:
     emulated_one_way_ms: float = 0.0  # benchmarks: network latency emulated on loopback
 
 
-async def wait_for_worker(backend: Any, timeout_s: float, role: str = "worker"):
+async def wait_for_worker(backend: Any, timeout_s: float, role: str = "worker", total_s: float | None = None):
     """Workers may still be loading their model: retry GetInfo until timeout, then exit naming the
-    worker (a clear last log line for the pod, not a traceback)."""
+    worker (a clear last log line for the pod, not a traceback). total_s: the --connect-timeout-s
+    that timeout_s is what is left of."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         try:
@@ -68,7 +69,7 @@ async def wait_for_worker(backend: Any, timeout_s: float, role: str = "worker"):
         except (WorkerUnavailable, DeadlineExceeded) as exc:
             if asyncio.get_running_loop().time() > deadline:
                 raise SystemExit(f"the {role} worker did not answer GetInfo within --connect-timeout-s "
-                                 f"({timeout_s:.0f} s): {exc}") from exc
+                                 f"({timeout_s if total_s is None else total_s:.0f} s): {exc}") from exc
             await asyncio.sleep(0.5)
 
 
@@ -78,7 +79,7 @@ async def wait_for_workers(target: Any, draft: Any, timeout_s: float) -> tuple[A
     started = asyncio.get_running_loop().time()
     target_info = await wait_for_worker(target, timeout_s, "target")
     return target_info, await wait_for_worker(draft, timeout_s - (asyncio.get_running_loop().time() - started),
-                                              "draft")
+                                              "draft", total_s=timeout_s)
 
 
 SETTLE_S = 5.0  # at shutdown, the most to wait for sessions being ended on the workers
@@ -262,7 +263,8 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
              "min_draft_prob": args.min_draft_prob, "pipeline": args.pipeline}
     try:  # a clear exit, not a traceback, for a bad or missing file or flag value
         spec = SpeculationConfig.from_toml(args.config) if args.config else SpeculationConfig()
-        spec = spec.with_values({k: v for k, v in flags.items() if v is not None}, "flags")  # flags beat the file
+        spec = spec.with_values({k: v for k, v in flags.items() if v is not None},  # flags beat the file
+                                f"flags over {args.config}" if args.config else "flags")
     except (SpeculationConfigError, OSError, tomllib.TOMLDecodeError) as exc:
         raise SystemExit(f"speculation config: {exc}") from None
     limits = EngineLimits(max_new_tokens=args.max_new_tokens_limit, max_sessions=args.max_sessions,

@@ -74,8 +74,9 @@ priced as dear as speculating's and a 7 % loss went on. Where the curve cannot t
 two points), the target call's wall time stands in. A first round counts if it was decided clean
 (as above) and its draft had no backlog to catch up on (a session back from a target-only epoch:
 that is the epoch's cost, not a turn's). Two errors remain: target-only's first round is priced
-without the wait for a step in flight or a wave of other prompts in its forward (a little low: the
-error is towards target-only, the safe mode); and while target-only wins, first rounds are sampled
+as one forward, without the wait for a step in flight, a wave of other prompts in its forward, or the
+prompt's split into chunks beside other sessions (a few steps of each stream) (low: the error is
+towards target-only, the safe mode; it is never priced above the speculating round itself); and while target-only wins, first rounds are sampled
 in speculating probes, beside the other sessions' catch-ups, which prices speculating's high. Until
 about three turns (MIN_FIRST_ROUNDS) have begun speculating at the current load, the steady rates
 alone decide.
@@ -174,6 +175,7 @@ class FirstRounds:
     # on the target's rows curve (`prompt_extra_ms`), where the curve could tell ...
     modelled: float = 0.0   # (decayed count of those rounds)
     prompt_ms: float = 0.0
+    modelled_round_ms: float = 0.0  # those rounds' whole time: target-only is never priced above it
     target_ms: float = 0.0  # ... else the round's target call's wall time (the pairing)
 
     def add(self, round_ms: float, target_ms: float, tokens: int, prompt_ms: float | None = None) -> None:
@@ -182,16 +184,23 @@ class FirstRounds:
         self.tokens = self.tokens * TURN_MEMORY + tokens
         self.modelled *= TURN_MEMORY
         self.prompt_ms *= TURN_MEMORY
+        self.modelled_round_ms *= TURN_MEMORY
         self.target_ms *= TURN_MEMORY
         if prompt_ms is not None:
             self.modelled += 1.0
             self.prompt_ms += min(prompt_ms, round_ms)
+            self.modelled_round_ms += round_ms
         else:
             self.target_ms += min(target_ms, round_ms)
 
     def target_only_ms(self, off_rate: float) -> float:
-        """The mean price of target-only's first round, at its steady rate `off_rate` (tokens per ms)."""
-        return (self.prompt_ms + self.modelled / off_rate + self.target_ms) / self.turns
+        """The mean price of target-only's first round, at its steady rate `off_rate` (tokens per ms).
+        Never above what the speculating rounds themselves took, which held a target call over the
+        same prompt and more (the pairing's bound too)."""
+        if self.turns <= 0 or off_rate <= 0:
+            raise ValueError(f"no first rounds ({self.turns}) or no target-only rate ({off_rate})")
+        modelled = min(self.prompt_ms + self.modelled / off_rate, self.modelled_round_ms)
+        return (modelled + self.target_ms) / self.turns
 
 
 def per_turn_rates(spec_rate: float, off_rate: float, turn_tokens: float,

@@ -146,8 +146,10 @@ def parse_targets(spec: str) -> tuple[list[str], str | None]:
     for address in addresses:
         # Refused here, not after --connect-timeout-s of failing to connect to a typo.
         host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{address!r} in {spec!r}: a worker address is HOST:PORT with a port in 1..65535")
+        bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
+        if not host or bare_ipv6 or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{address!r} in {spec!r}: a worker address is HOST:PORT with a port in 1..65535 "
+                             "(an IPv6 host in brackets: [::1]:50051)")
     return addresses, None
 
 

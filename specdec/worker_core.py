@@ -21,6 +21,7 @@ from specdec.contract import (EMPTY_CONTEXT_KEY, MAX_BRANCH_SLOTS, CallStats, Ca
                               validate_session_id)
 from specdec.errors import CacheMismatch, CapacityExceeded, InvalidRequest, SessionNotFound, SpecdecError
 from specdec.models import LoadedModel, cache_nbytes, copy_cache, crop_cache, estimate_kv_bytes_per_token, new_cache
+from specdec.scheduler import out_of_memory
 from specdec.session_store import SessionStore
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,9 @@ class WorkerSession:
         counted at the cache's own bytes per row: those land in the cache later, maybe while the
         session is idle (another session takes the buffer), where nothing measures it again."""
         held = cache_nbytes(self.cache)
-        layers = getattr(self.cache, "layers", None)
+        layers = getattr(self.cache, "layers", None) or []
+        if any(getattr(layer, "is_sliding", False) for layer in layers):
+            return held  # a sliding-window layer keeps a length of its own (and no decode graph runs them)
         keys = getattr(layers[0], "keys", None) if layers else None
         cached = 0 if keys is None else keys.shape[-2]
         pending = len(self.tokens) - cached
@@ -273,9 +276,7 @@ class WorkerCore:
                 self._fed(session, tokens)
                 return logits
         input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        # A failed write-back changes nothing (decode_graph.write_back): the session stays as it was,
-        # its rows still in the buffer, and only this call fails; no re-prefill for it.
-        self.sync(session)
+        self._sync_or_discard(session)
         try:
             out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
                              logits_to_keep=logits_rows)
@@ -306,7 +307,7 @@ class WorkerCore:
             # One session's failed write-back (out of memory) is its own call's error: it changes
             # nothing (decode_graph.write_back), and the other sessions' caches are intact.
             try:
-                self.sync(step.session)
+                self._sync_or_discard(step.session)
             except Exception as exc:  # noqa: BLE001 - handed to the step's own call by the scheduler
                 log.warning("writing back a session's buffered rows failed; only its call fails: %s", exc)
                 failed[index] = exc
@@ -335,6 +336,18 @@ class WorkerCore:
         a decode-graph step reads or copies the cache."""
         if self.decode_graph is not None:
             self.decode_graph.write_back(session, upto)
+
+    def _sync_or_discard(self, session: WorkerSession) -> None:
+        """sync() before a forward. Out of memory, a write-back changes nothing (decode_graph.write_back):
+        the session stays as it was, its rows still in the buffer, and only its call fails, with no
+        re-prefill for it. Any other failure is a broken invariant: the session is discarded (its next
+        commit re-prefills) rather than failing every call until its TTL."""
+        try:
+            self.sync(session)
+        except BaseException as exc:
+            if not out_of_memory(exc):
+                self._discard(session)
+            raise
 
     def _discard(self, session: WorkerSession) -> None:
         # Some layers may have appended to the cache before a failure: nothing in it can be trusted.

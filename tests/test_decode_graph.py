@@ -366,6 +366,42 @@ def test_a_sessions_size_counts_the_rows_only_the_buffer_holds(loaded) -> None:
     assert GraphDecoder.cached_len(session) == 13 and session.nbytes() == cache_nbytes(session.cache) == before
 
 
+def test_a_sliding_window_sessions_size_is_its_caches() -> None:
+    """A sliding-window layer keeps about a window of rows: none of the rest is pending anywhere."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from specdec.models import cache_nbytes
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16, max_position_embeddings=128)
+    model = MistralForCausalLM(config).eval()
+    session = WorkerSession(cache=new_cache(model))
+    tokens = [5 + i % 50 for i in range(60)]
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([tokens]), past_key_values=session.cache, use_cache=True)
+    session.tokens.extend(tokens)
+    assert GraphDecoder.cached_len(session) < 60
+    assert session.nbytes() == cache_nbytes(session.cache)
+
+
+def test_a_write_back_that_fails_for_another_reason_than_memory_discards_the_session(loaded, monkeypatch) -> None:
+    """Out of memory a write-back changes nothing and the session goes on; any other failure is a
+    broken invariant, after which the session must re-prefill rather than fail every call."""
+    core = WorkerCore(loaded, "draft")
+    core.enable_decode_graph(capture=False, max_len=64)
+    session = WorkerSession(cache=new_cache(loaded.model))
+    core.feed(session, list(range(3, 13)), logits_rows=1)
+    core.feed(session, [20], logits_rows=1)
+
+    def broken(session, upto=None):
+        raise RuntimeError("the buffer does not hold rows it should (test)")
+    monkeypatch.setattr(core.decode_graph, "write_back", broken)
+    with pytest.raises(RuntimeError, match="test"):
+        core.feed(session, [30, 31], logits_rows=2)
+    monkeypatch.undo()
+    assert session.tokens == [] and GraphDecoder.cached_len(session) == 0
+
+
 def test_a_failed_write_back_leaves_every_layer_as_it_was_and_the_session_as_it_was(loaded, monkeypatch) -> None:
     import specdec.decode_graph as decode_graph
     core = WorkerCore(loaded, "draft")

@@ -197,7 +197,7 @@ async def test_dns_discovery_resolves_replicas() -> None:
         assert await resolve("[::1]:7") == ["[::1]:7"]  # an IPv6 literal, bracketed as gRPC wants it
         assert parse_targets("dns:///workers:50051\n") == ([], "workers:50051")  # a ConfigMap's newline
         assert parse_targets("[::1]:1,[::2]:2") == (["[::1]:1", "[::2]:2"], None)
-        for typo in ("worker", "worker:0", "worker:99999", "a:1,worker", ":50051", "worker:port"):
+        for typo in ("worker", "worker:0", "worker:99999", "a:1,worker", ":50051", "worker:port", "::1"):
             with pytest.raises(ValueError, match="HOST:PORT"):  # refused at once, not after the connect timeout
                 parse_targets(typo)
     finally:

@@ -230,6 +230,12 @@ def test_per_turn_rates_price_target_onlys_first_round_on_its_steady_rate_and_th
     modelled.add(1000.0, 700.0, 3)
     assert modelled.target_only_ms(off_rate) == pytest.approx(
         ((450 + 1 / off_rate) * TURN_MEMORY + 700) / (1 + TURN_MEMORY))
+    # Never above the speculating rounds themselves, which held a target call over the same prompt.
+    quick = FirstRounds()
+    quick.add(300.0, 250.0, 4, prompt_ms=200.0)  # 200 + 227 ms > the whole 300 ms round
+    assert quick.target_only_ms(off_rate) == pytest.approx(300.0)
+    with pytest.raises(ValueError):
+        FirstRounds().target_only_ms(off_rate)
 
 
 def test_per_turn_rates_price_a_turns_first_round_against_its_target_call_where_no_curve_can_tell() -> None:
