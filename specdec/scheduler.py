@@ -48,13 +48,14 @@ waiting sets under one lock; split apart, each would need its own view of them.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -266,6 +267,7 @@ class BatchScheduler:
         self._name = name
         self._forward = forward
         self._clock = clock
+        self._forward_since: float | None = None  # when the forward now running began (forward_running_s)
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Job] = collections.deque()
         self._active: list[_Job] = []
@@ -397,6 +399,12 @@ class BatchScheduler:
             busy.add(job.session_id)
             sessions.add(session)
             yield job, _ADMITTED if admitted else _WAITS
+
+    def forward_running_s(self) -> float:
+        """How long the forward now running has run (0 when none; any thread). A forward that never
+        returns (a hung kernel or device) fails no call and kills no thread: only this shows it."""
+        since = self._forward_since
+        return 0.0 if since is None else max(0.0, self._clock() - since)
 
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback(exc)` if the model thread fails (on that thread; at once if it has): the
@@ -696,6 +704,7 @@ class BatchScheduler:
             if job.pending is step:
                 job.pending = None
         start = self._clock()
+        self._forward_since = start
         try:
             outputs = self._forward(steps)
         except BaseException as exc:  # noqa: BLE001 - every call in the forward gets the error
@@ -707,6 +716,8 @@ class BatchScheduler:
             for job, _, _ in batch:
                 self._abort(job, self._as_capacity_error(exc, len(batch), rows))
             return
+        finally:
+            self._forward_since = None
         end = self._clock()
         with self._cond:
             self._busy.append((start, end))
@@ -827,3 +838,19 @@ class BatchScheduler:
         if job.chunked and pending is not None:  # a chunked prompt: at least its rest's chunks
             left = max(left, math.ceil(len(pending.tokens) / max(MIN_PROMPT_CHUNK, self.limits.prefill_chunk)))
         return max(1, left)
+
+
+async def watch_for_a_hung_forward(scheduler: "BatchScheduler", hang_s: float,
+                                   on_hang: Callable[[float], Awaitable[None]], interval_s: float | None = None) -> None:
+    """Until cancelled, or until one forward has run longer than `hang_s`: then `on_hang(seconds)`
+    once (the server reports NOT_SERVING, so that the liveness probe restarts the worker; callers
+    already pass a replica that times out over, but nothing else would ever restart it)."""
+    interval = interval_s if interval_s is not None else min(5.0, hang_s / 4.0)
+    while True:
+        await asyncio.sleep(interval)
+        running = scheduler.forward_running_s()
+        if running > hang_s:
+            log.error("%s: one forward has run for %.0f s, over the hang timeout of %.0f s: reporting "
+                      "NOT_SERVING so that the liveness probe restarts this worker", scheduler._name, running, hang_s)
+            await on_hang(running)
+            return

@@ -1,5 +1,8 @@
 """One worker server for both roles: servicer base (EndSession, GetInfo, the model thread)
-and bootstrap. Role-specific servicers in draft_worker/ and target_worker/ only convert messages."""
+and bootstrap. Role-specific servicers in draft_worker/ and target_worker/ only convert messages.
+
+Over 300 lines: the flags, their checks before the model loads and the startup that wires them
+(calibration, decode graph, health, watchdog, metrics) are one path, read top to bottom."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +23,7 @@ from specdec.errors import DeadlineExceeded
 from specdec.v1 import common_pb2
 from specdec.contract import MAX_BRANCH_SLOTS, MAX_K, CallStats, CostCurve, validate_session_id
 from specdec.scheduler import (BatchLimits, BatchScheduler, itl_factor_valid, itl_limit_ms, prefill_chunk_for,
-                               prefill_chunk_within)
+                               prefill_chunk_within, watch_for_a_hung_forward)
 from specdec.worker_core import ForwardStep, StoreLimits, WorkerCore
 
 log = logging.getLogger(__name__)
@@ -166,6 +169,9 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
     parser.add_argument("--decode-graph-len", type=int, default=DEFAULT_GRAPH_LEN,
                         help="positions of the decode graph's KV buffer (capped at the model's context); "
                              "longer sessions draft eagerly. Each step attends over all of them")
+    parser.add_argument("--hang-timeout-s", type=float, default=600.0,
+                        help="a single forward running longer than this is a hung device or kernel: report "
+                             "NOT_SERVING, so that the liveness probe restarts the worker (0: off)")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     parser.add_argument("--drain-delay-s", type=float, default=0.0,
                         help="on SIGTERM, report NOT_SERVING this long before refusing new calls")
@@ -228,6 +234,8 @@ def check_worker_flags(args: argparse.Namespace) -> None:
     if not args.session_ttl_s > 0 or not args.cache_budget_mb > 0 or args.max_sessions < 1:
         raise SystemExit("--session-ttl-s and --cache-budget-mb must be > 0 and --max-sessions >= 1, got "
                          f"{args.session_ttl_s}, {args.cache_budget_mb} and {args.max_sessions}")
+    if not args.hang_timeout_s >= 0 or not math.isfinite(args.hang_timeout_s):
+        raise SystemExit(f"--hang-timeout-s must be a number of seconds >= 0 (0: off), got {args.hang_timeout_s}")
     if not math.isfinite(args.calibration_s):
         raise SystemExit(f"--calibration-s must be a number of seconds (0 skips), got {args.calibration_s}")
     if not 1 <= args.max_k <= MAX_K:  # a huge one made the calibration run a forward of that many rows
@@ -287,10 +295,15 @@ async def serve_worker(args: argparse.Namespace, role: str,
     # A model thread that died serves nothing more: NOT_SERVING, so probes restart the worker and
     # balancers move traffic away (the scheduler, grpc-free, calls this from its thread).
     servicer.scheduler.on_failure(lambda exc: asyncio.run_coroutine_threadsafe(handle.set_serving(False), loop))
+    watchdog = (asyncio.create_task(watch_for_a_hung_forward(servicer.scheduler, args.hang_timeout_s,
+                                                             lambda _: handle.set_serving(False)))
+                if args.hang_timeout_s > 0 else None)
     if args.metrics_port is not None:
         from specdec.metrics import serve_metrics, worker_registry
         serve_metrics(args.metrics_port, worker_registry(core, servicer.scheduler), args.host)
     try:
         await grpc_util.run_until_signalled(handle, args.grace_s, args.port_file, drain_delay_s=args.drain_delay_s)
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
         servicer.close()

@@ -97,6 +97,37 @@ def test_calls_that_arrive_together_share_each_forward(forward) -> None:
         scheduler.close()
 
 
+def test_a_hung_forward_is_reported_once_and_a_slow_one_is_not(forward) -> None:
+    """A forward that never returns fails no call and kills no thread: only the watchdog sees it
+    (the worker then reports NOT_SERVING, so that its liveness probe restarts it)."""
+    import asyncio
+
+    from specdec.scheduler import watch_for_a_hung_forward
+    scheduler = make_scheduler(forward)
+    try:
+        assert scheduler.forward_running_s() == 0.0
+        first, _ = submit_held(scheduler, forward, "a", call("a"))
+        hung: list[float] = []
+
+        async def on_hang(seconds: float) -> None:
+            hung.append(seconds)
+
+        async def watch(hang_s: float, for_s: float) -> bool:
+            task = asyncio.create_task(watch_for_a_hung_forward(scheduler, hang_s, on_hang, interval_s=0.02))
+            await asyncio.sleep(for_s)
+            done = task.done()
+            task.cancel()
+            return done
+        assert not asyncio.run(watch(hang_s=5.0, for_s=0.3)) and hung == []  # held 0.3 s: not hung yet
+        assert asyncio.run(watch(hang_s=0.2, for_s=0.5)) and len(hung) == 1 and hung[0] > 0.2  # once, then done
+        assert scheduler.forward_running_s() > 0.2
+        forward.gate.set()
+        assert first.result(WAIT_S) == [1]
+        assert scheduler.forward_running_s() == 0.0  # nothing running now
+    finally:
+        scheduler.close()
+
+
 def test_a_call_joins_a_running_multi_step_call_between_steps(forward) -> None:
     scheduler = make_scheduler(forward)
     try:
