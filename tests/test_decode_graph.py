@@ -349,16 +349,23 @@ def test_steps_with_rows_still_in_the_buffer_match_a_plain_core_step_for_step(lo
     assert GraphDecoder.cached_len(a) < len(a.tokens) == len(b.tokens)
 
 
-def test_a_sessions_size_counts_the_rows_only_the_buffer_holds(loaded) -> None:
-    """Measured at the end of a call with its drafts' rows still in the buffer, an idle session's
-    size went stale when they were written back (another session taking the buffer)."""
-    from specdec.models import cache_nbytes
+def _buffered_session(loaded) -> tuple[WorkerCore, WorkerSession]:
+    """A draft core on the static decode path and a session fed a 10-token prompt, then 3 one-token
+    steps whose rows only the decode graph's buffer holds."""
     core = WorkerCore(loaded, "draft")
     core.enable_decode_graph(capture=False, max_len=64)
     session = WorkerSession(cache=new_cache(loaded.model))
     core.feed(session, list(range(3, 13)), logits_rows=1)
     for token in (20, 21, 22):
         core.feed(session, [token], logits_rows=1)
+    return core, session
+
+
+def test_a_sessions_size_counts_the_rows_only_the_buffer_holds(loaded) -> None:
+    """Measured at the end of a call with its drafts' rows still in the buffer, an idle session's
+    size went stale when they were written back (another session taking the buffer)."""
+    from specdec.models import cache_nbytes
+    core, session = _buffered_session(loaded)
     assert GraphDecoder.cached_len(session) == 10 and len(session.tokens) == 13
     before = session.nbytes()
     assert before == cache_nbytes(session.cache) * 13 // 10
@@ -404,12 +411,7 @@ def test_a_write_back_that_fails_for_another_reason_than_memory_discards_the_ses
 
 def test_a_failed_write_back_leaves_every_layer_as_it_was_and_the_session_as_it_was(loaded, monkeypatch) -> None:
     import specdec.decode_graph as decode_graph
-    core = WorkerCore(loaded, "draft")
-    core.enable_decode_graph(capture=False, max_len=64)
-    session = WorkerSession(cache=new_cache(loaded.model))
-    core.feed(session, list(range(3, 13)), logits_rows=1)
-    for token in (20, 21, 22):
-        core.feed(session, [token], logits_rows=1)
+    core, session = _buffered_session(loaded)
     calls = []
     real_cat = torch.cat
 
