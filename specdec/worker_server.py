@@ -234,8 +234,8 @@ def check_worker_flags(args: argparse.Namespace) -> None:
     if not args.session_ttl_s > 0 or not args.cache_budget_mb > 0 or args.max_sessions < 1:
         raise SystemExit("--session-ttl-s and --cache-budget-mb must be > 0 and --max-sessions >= 1, got "
                          f"{args.session_ttl_s}, {args.cache_budget_mb} and {args.max_sessions}")
-    if not args.hang_timeout_s >= 0 or not math.isfinite(args.hang_timeout_s):
-        raise SystemExit(f"--hang-timeout-s must be a number of seconds >= 0 (0: off), got {args.hang_timeout_s}")
+    if not (args.hang_timeout_s == 0 or 1.0 <= args.hang_timeout_s < math.inf):  # a forward may take seconds
+        raise SystemExit(f"--hang-timeout-s must be 0 (off) or at least 1 second, got {args.hang_timeout_s}")
     if not math.isfinite(args.calibration_s):
         raise SystemExit(f"--calibration-s must be a number of seconds (0 skips), got {args.calibration_s}")
     if not 1 <= args.max_k <= MAX_K:  # a huge one made the calibration run a forward of that many rows

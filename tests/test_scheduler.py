@@ -1337,9 +1337,13 @@ def test_session_store_flags_are_checked_before_the_model_loads() -> None:
     for flags in (["--session-ttl-s", "0"], ["--cache-budget-mb", "-1"], ["--max-sessions", "0"],
                   ["--calibration-s", "nan"], ["--max-batch", "0"], ["--max-queue", "-1"], ["--batch-window-ms", "-5"],
                   ["--max-batch-tokens", "0"], ["--prefill-chunk", "x"], ["--prefill-chunk", "\u00b2"],
-                  ["--prefill-itl-factor", "0.5"], ["--prefill-itl-factor", "2", "--prefill-chunk", "32"]):
+                  ["--prefill-itl-factor", "0.5"], ["--prefill-itl-factor", "2", "--prefill-chunk", "32"],
+                  ["--hang-timeout-s", "-1"], ["--hang-timeout-s", "0.001"], ["--hang-timeout-s", "nan"],
+                  ["--hang-timeout-s", "inf"]):
         with pytest.raises(SystemExit, match="must be"):
             check_worker_flags(parser.parse_args(flags))
+    for hang in ("0", "1", "600"):  # off, the least, the default
+        check_worker_flags(parser.parse_args(["--hang-timeout-s", hang]))
     # TLS half given (mTLS meant: a CA and a certificate, no key) served plaintext with no client auth.
     for flags in (["--tls-cert", "c.pem"], ["--tls-key", "k.pem"], ["--tls-client-ca", "ca.pem", "--tls-cert", "c.pem"]):
         with pytest.raises(SystemExit, match="needs"):
