@@ -267,7 +267,8 @@ class BatchScheduler:
         self._name = name
         self._forward = forward
         self._clock = clock
-        self._forward_since: float | None = None  # when the forward now running began (forward_running_s)
+        self._pass_since: float | None = None  # when the model thread's current pass began (pass_running_s)
+        self._pass_rows = 0  # rows of that pass's forward (0: none yet)
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Job] = collections.deque()
         self._active: list[_Job] = []
@@ -400,11 +401,31 @@ class BatchScheduler:
             sessions.add(session)
             yield job, _ADMITTED if admitted else _WAITS
 
-    def forward_running_s(self) -> float:
-        """How long the forward now running has run (0 when none; any thread). A forward that never
-        returns (a hung kernel or device) fails no call and kills no thread: only this shows it."""
-        since = self._forward_since
-        return 0.0 if since is None else max(0.0, self._clock() - since)
+    def pass_running_s(self) -> tuple[float, float]:
+        """(how long the model thread's current pass has run, 0 when idle; what its forward is
+        expected to take on the prefill curve, 0 where unknown), from any thread. A forward that
+        never returns (a hung kernel or device) fails no call and kills no thread: only this shows it."""
+        since, rows = self._pass_since, self._pass_rows
+        if since is None:
+            return 0.0, 0.0
+        expected_ms = curves.extended(self.limits.prefill_curve, rows) if rows and self.limits.prefill_curve else None
+        return max(0.0, self._clock() - since), (expected_ms or 0.0) / 1000.0
+
+    def mark_hung(self, reason: str) -> None:
+        """The watchdog found the model thread stuck: fail the calls waiting behind it and refuse new
+        ones (UNAVAILABLE: the orchestrator passes the replica over) until the worker restarts. The
+        calls in the stuck pass stay with it (their callers' deadlines end them)."""
+        with self._cond:
+            self._closed = True
+            self._failure = f"the model thread of {self._name} is stuck ({reason}); restart the worker"
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            self._cond.notify_all()
+        for job in waiting:
+            try:
+                self._abort(job, WorkerUnavailable(self._failure))
+            except BaseException:  # noqa: BLE001 - fail the others still
+                log.exception("failing a waiting call after the model thread got stuck")
 
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback(exc)` if the model thread fails (on that thread; at once if it has): the
@@ -445,21 +466,30 @@ class BatchScheduler:
                     self._active.clear()
                     return leftover
                 admitted = self._admit()
-            for i, job in enumerate(admitted):
-                try:
-                    self._start(job)
-                except BaseException:
-                    # The device lost: _die fails the waiting and active calls, not the admitted
-                    # ones dropped (cancelled or expired) that had yet to be ended here.
-                    active = set(map(id, self._active))
-                    for dropped in admitted[i + 1:]:
-                        if id(dropped) not in active:
-                            self._end_unstarted(dropped)
-                    raise
-            self._drop_expired()
-            batch = self._select()
-            if batch:
-                self._step(batch)
+            # A pass: starting the admitted calls, one forward, resuming its calls. On a GPU the
+            # forward only queues kernels: a hung one blocks where a call's step reads its results.
+            self._pass_since = self._clock()
+            try:
+                self._pass(admitted)
+            finally:
+                self._pass_since, self._pass_rows = None, 0
+
+    def _pass(self, admitted: list[_Job]) -> None:
+        for i, job in enumerate(admitted):
+            try:
+                self._start(job)
+            except BaseException:
+                # The device lost: _die fails the waiting and active calls, not the admitted
+                # ones dropped (cancelled or expired) that had yet to be ended here.
+                active = set(map(id, self._active))
+                for dropped in admitted[i + 1:]:
+                    if id(dropped) not in active:
+                        self._end_unstarted(dropped)
+                raise
+        self._drop_expired()
+        batch = self._select()
+        if batch:
+            self._step(batch)
 
     def _die(self, exc: BaseException) -> None:
         """The model thread failed outside every call's own error handling (a bug in admission or
@@ -704,7 +734,7 @@ class BatchScheduler:
             if job.pending is step:
                 job.pending = None
         start = self._clock()
-        self._forward_since = start
+        self._pass_rows = rows
         try:
             outputs = self._forward(steps)
         except BaseException as exc:  # noqa: BLE001 - every call in the forward gets the error
@@ -716,8 +746,6 @@ class BatchScheduler:
             for job, _, _ in batch:
                 self._abort(job, self._as_capacity_error(exc, len(batch), rows))
             return
-        finally:
-            self._forward_since = None
         end = self._clock()
         with self._cond:
             self._busy.append((start, end))
@@ -840,17 +868,25 @@ class BatchScheduler:
         return max(1, left)
 
 
+HANG_OVER_EXPECTED = 10.0  # a pass this many times longer than its forward's expected time is stuck
+
+
 async def watch_for_a_hung_forward(scheduler: "BatchScheduler", hang_s: float,
                                    on_hang: Callable[[float], Awaitable[None]], interval_s: float | None = None) -> None:
-    """Until cancelled, or until one forward has run longer than `hang_s`: then `on_hang(seconds)`
-    once (the server reports NOT_SERVING, so that the liveness probe restarts the worker; callers
-    already pass a replica that times out over, but nothing else would ever restart it)."""
+    """Until cancelled, or until one pass of the model thread (a forward with its calls' steps) has run
+    longer than `hang_s`, and HANG_OVER_EXPECTED times what its forward's rows are expected to take
+    (a lone long prompt on a slow CPU is slow, not stuck): then the scheduler refuses new calls
+    (mark_hung) and `on_hang(seconds)` runs once (the server reports NOT_SERVING, so that the
+    liveness probe restarts the worker; callers pass a replica that times out over, but nothing else
+    would ever restart it)."""
     interval = interval_s if interval_s is not None else min(5.0, hang_s / 4.0)
     while True:
         await asyncio.sleep(interval)
-        running = scheduler.forward_running_s()
-        if running > hang_s:
-            log.error("%s: one forward has run for %.0f s, over the hang timeout of %.0f s: reporting "
-                      "NOT_SERVING so that the liveness probe restarts this worker", scheduler._name, running, hang_s)
+        running, expected = scheduler.pass_running_s()
+        if running > max(hang_s, HANG_OVER_EXPECTED * expected):
+            log.error("%s: one forward with its calls' steps has run for %.0f s (expected %.1f s, hang timeout "
+                      "%.0f s): refusing calls and reporting NOT_SERVING so that the liveness probe restarts "
+                      "this worker", scheduler._name, running, expected, hang_s)
+            scheduler.mark_hung(f"one pass has run for {running:.0f} s")
             await on_hang(running)
             return

@@ -170,7 +170,8 @@ def add_worker_args(parser: argparse.ArgumentParser, default_model: str) -> None
                         help="positions of the decode graph's KV buffer (capped at the model's context); "
                              "longer sessions draft eagerly. Each step attends over all of them")
     parser.add_argument("--hang-timeout-s", type=float, default=600.0,
-                        help="a single forward running longer than this is a hung device or kernel: report "
+                        help="a forward with its calls' steps running longer than this (and 10x its expected "
+                             "time on the cost curve) is a hung device or kernel: refuse calls and report "
                              "NOT_SERVING, so that the liveness probe restarts the worker (0: off)")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     parser.add_argument("--drain-delay-s", type=float, default=0.0,
@@ -298,6 +299,9 @@ async def serve_worker(args: argparse.Namespace, role: str,
     watchdog = (asyncio.create_task(watch_for_a_hung_forward(servicer.scheduler, args.hang_timeout_s,
                                                              lambda _: handle.set_serving(False)))
                 if args.hang_timeout_s > 0 else None)
+    if watchdog is not None:  # a watchdog that failed would stop watching without a word
+        watchdog.add_done_callback(lambda task: task.cancelled() or task.exception() is None or log.error(
+            "the hang watchdog failed", exc_info=task.exception()))
     if args.metrics_port is not None:
         from specdec.metrics import serve_metrics, worker_registry
         serve_metrics(args.metrics_port, worker_registry(core, servicer.scheduler), args.host)

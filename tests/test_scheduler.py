@@ -98,34 +98,52 @@ def test_calls_that_arrive_together_share_each_forward(forward) -> None:
 
 
 def test_a_hung_forward_is_reported_once_and_a_slow_one_is_not(forward) -> None:
-    """A forward that never returns fails no call and kills no thread: only the watchdog sees it
-    (the worker then reports NOT_SERVING, so that its liveness probe restarts it)."""
+    """A forward that never returns fails no call and kills no thread: only the watchdog sees it.
+    Then the worker refuses calls (UNAVAILABLE: the orchestrator passes it over) and reports
+    NOT_SERVING, so that its liveness probe restarts it. A pass counts from the calls' start to their
+    resumption, not the forward alone: on a GPU the forward only queues kernels."""
     import asyncio
 
     from specdec.scheduler import watch_for_a_hung_forward
-    scheduler = make_scheduler(forward)
-    try:
-        assert scheduler.forward_running_s() == 0.0
-        first, _ = submit_held(scheduler, forward, "a", call("a"))
-        hung: list[float] = []
 
+    async def watch(scheduler: BatchScheduler, hang_s: float, for_s: float, hung: list[float]) -> bool:
         async def on_hang(seconds: float) -> None:
             hung.append(seconds)
+        task = asyncio.create_task(watch_for_a_hung_forward(scheduler, hang_s, on_hang, interval_s=0.02))
+        await asyncio.sleep(for_s)
+        done = task.done()
+        task.cancel()
+        return done
 
-        async def watch(hang_s: float, for_s: float) -> bool:
-            task = asyncio.create_task(watch_for_a_hung_forward(scheduler, hang_s, on_hang, interval_s=0.02))
-            await asyncio.sleep(for_s)
-            done = task.done()
-            task.cancel()
-            return done
-        assert not asyncio.run(watch(hang_s=5.0, for_s=0.3)) and hung == []  # held 0.3 s: not hung yet
-        assert asyncio.run(watch(hang_s=0.2, for_s=0.5)) and len(hung) == 1 and hung[0] > 0.2  # once, then done
-        assert scheduler.forward_running_s() > 0.2
+    scheduler = make_scheduler(forward)
+    try:
+        assert scheduler.pass_running_s() == (0.0, 0.0)
+        first, _ = submit_held(scheduler, forward, "a", call("a"))
+        queued, _ = scheduler.submit("b", call("b"))
+        hung: list[float] = []
+        assert not asyncio.run(watch(scheduler, hang_s=5.0, for_s=0.3, hung=hung)) and hung == []  # not yet
+        assert asyncio.run(watch(scheduler, hang_s=0.2, for_s=0.5, hung=hung)) and len(hung) == 1 and hung[0] > 0.2
+        assert scheduler.pass_running_s()[0] > 0.2
+        with pytest.raises(WorkerUnavailable, match="stuck"):  # refused from now on ...
+            scheduler.submit("c", call("c"))
+        with pytest.raises(WorkerUnavailable, match="stuck"):  # ... and the call queued behind it failed
+            queued.result(WAIT_S)
         forward.gate.set()
-        assert first.result(WAIT_S) == [1]
-        assert scheduler.forward_running_s() == 0.0  # nothing running now
+        assert first.result(WAIT_S) == [1]  # the stuck pass's own calls end as it does
     finally:
         scheduler.close()
+    # A forward expected to take long on the worker's own cost curve (a lone long prompt on a slow
+    # CPU) is slow, not stuck: it is given HANG_OVER_EXPECTED times its expected time.
+    slow = BatchScheduler(forward, BatchLimits(window_ms=0.0, prefill_curve=((1, 100.0), (64, 6400.0))))
+    try:
+        first, _ = submit_held(slow, forward, "a", call("a", tokens=8))  # 8 rows: 0.8 s expected
+        assert slow.pass_running_s()[1] == pytest.approx(0.8)
+        hung = []
+        assert not asyncio.run(watch(slow, hang_s=0.2, for_s=0.5, hung=hung)) and hung == []
+        forward.gate.set()
+        assert first.result(WAIT_S) == [8]
+    finally:
+        slow.close()
 
 
 def test_a_call_joins_a_running_multi_step_call_between_steps(forward) -> None:
