@@ -136,8 +136,7 @@ def parse_targets(spec: str) -> tuple[list[str], str | None]:
     spec = spec.strip()  # a ConfigMap or env value often ends in a newline
     if spec.startswith("dns:///"):
         name_port = spec[len("dns:///"):]
-        host, _, port = name_port.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if _host_of(name_port) is None:
             raise ValueError(f"{spec!r}: discovery needs dns:///NAME:PORT")
         return [], name_port
     addresses = [s.strip() for s in spec.split(",") if s.strip()]
@@ -145,12 +144,17 @@ def parse_targets(spec: str) -> tuple[list[str], str | None]:
         raise ValueError(f"{spec!r}: no worker address (HOST:PORT[,HOST:PORT...] or dns:///NAME:PORT)")
     for address in addresses:
         # Refused here, not after --connect-timeout-s of failing to connect to a typo.
-        host, _, port = address.rpartition(":")
-        bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
-        if not host or bare_ipv6 or not port.isdigit() or not 0 < int(port) < 65536:
+        host = _host_of(address)
+        if host is None or (":" in host and not (host.startswith("[") and host.endswith("]"))):
             raise ValueError(f"{address!r} in {spec!r}: a worker address is HOST:PORT with a port in 1..65535 "
                              "(an IPv6 host in brackets: [::1]:50051)")
     return addresses, None
+
+
+def _host_of(host_port: str) -> str | None:
+    """The host of 'HOST:PORT', None where either part is missing or the port is not in 1..65535."""
+    host, _, port = host_port.rpartition(":")
+    return host if host and port.isdigit() and 0 < int(port) < 65536 else None
 
 
 async def resolve(name_port: str) -> list[str]:

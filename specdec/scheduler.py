@@ -415,17 +415,27 @@ class BatchScheduler:
         """The watchdog found the model thread stuck: fail the calls waiting behind it and refuse new
         ones (UNAVAILABLE: the orchestrator passes the replica over) until the worker restarts. The
         calls in the stuck pass stay with it (their callers' deadlines end them)."""
+        self._refuse_calls(f"the model thread of {self._name} is stuck ({reason}); restart the worker",
+                           active_too=False)
+
+    def _refuse_calls(self, failure: str, active_too: bool) -> Callable[[BaseException], None] | None:
+        """Close for good: every later submit fails UNAVAILABLE with `failure`, and so do the calls
+        waiting now (and the active ones, where `active_too`). Returns the on_failure callback."""
         with self._cond:
             self._closed = True
-            self._failure = f"the model thread of {self._name} is stuck ({reason}); restart the worker"
-            waiting = list(self._waiting)
+            self._failure = failure
+            jobs = list(self._waiting) + (self._active if active_too else [])
             self._waiting.clear()
+            if active_too:
+                self._active.clear()
+            callback = self._on_failure
             self._cond.notify_all()
-        for job in waiting:
+        for job in jobs:
             try:
-                self._abort(job, WorkerUnavailable(self._failure))
+                self._abort(job, WorkerUnavailable(failure))
             except BaseException:  # noqa: BLE001 - fail the others still
-                log.exception("failing a waiting call after the model thread got stuck")
+                log.exception("failing a call of a model thread that failed or got stuck")
+        return callback
 
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback(exc)` if the model thread fails (on that thread; at once if it has): the
@@ -503,20 +513,9 @@ class BatchScheduler:
         target-only; INTERNAL tells it the worker is healthy and to keep sending it every round."""
         log.error("%s: the model thread failed; failing every call and refusing new ones (restart the worker)",
                   self._name, exc_info=exc)
-        reason = f"the model thread of {self._name} failed ({type(exc).__name__}: {exc}); restart the worker"
-        with self._cond:
-            self._closed = True
-            self._failure = reason
-            leftover = list(self._waiting) + self._active
-            self._waiting.clear()
-            self._active.clear()
-            callback = self._on_failure
-            self._cond.notify_all()
-        for job in leftover:
-            try:
-                self._abort(job, WorkerUnavailable(reason))
-            except BaseException:  # noqa: BLE001 - fail the others still
-                log.exception("failing a call after the model thread failed")
+        callback = self._refuse_calls(
+            f"the model thread of {self._name} failed ({type(exc).__name__}: {exc}); restart the worker",
+            active_too=True)
         if callback is not None:
             try:
                 callback(exc)

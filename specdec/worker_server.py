@@ -230,6 +230,12 @@ def batch_limits(args: argparse.Namespace, cost_curve: CostCurve = CostCurve(), 
                        prefill_itl_factor=itl_factor, itl_gap_relief=role == "target")
 
 
+def _log_watchdog_failure(task: asyncio.Task[None]) -> None:
+    """A watchdog that failed would stop watching without a word."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the hang watchdog failed", exc_info=task.exception())
+
+
 def check_worker_flags(args: argparse.Namespace) -> None:
     """Flags that no worker could start with, refused before the model loads (minutes, for a real one)."""
     if not args.session_ttl_s > 0 or not args.cache_budget_mb > 0 or args.max_sessions < 1:
@@ -299,9 +305,8 @@ async def serve_worker(args: argparse.Namespace, role: str,
     watchdog = (asyncio.create_task(watch_for_a_hung_forward(servicer.scheduler, args.hang_timeout_s,
                                                              lambda _: handle.set_serving(False)))
                 if args.hang_timeout_s > 0 else None)
-    if watchdog is not None:  # a watchdog that failed would stop watching without a word
-        watchdog.add_done_callback(lambda task: task.cancelled() or task.exception() is None or log.error(
-            "the hang watchdog failed", exc_info=task.exception()))
+    if watchdog is not None:
+        watchdog.add_done_callback(_log_watchdog_failure)
     if args.metrics_port is not None:
         from specdec.metrics import serve_metrics, worker_registry
         serve_metrics(args.metrics_port, worker_registry(core, servicer.scheduler), args.host)
