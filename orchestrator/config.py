@@ -111,6 +111,11 @@ class SpeculationConfig:
         "Pair guard: a speculating probe (target-only leading) that trails target-only's rate by this "
         "fraction once it has counted half its rounds ends there, lost (0 = off). Target-only epochs are "
         "never cut short."))
+    guard_arrival_window_ms: float = field(default=20.0, metadata=_doc(
+        "Pair guard: while the pair speculates, a turn's first round waits up to this long for turns "
+        "arriving with it, so that a burst is counted in the pair's load before any of its turns "
+        "decides to speculate over its prompt: 2 % of the prompt's expected target forward (on the "
+        "target's calibrated cost curve; no wait without one), at most this (0 = off)."))
     heuristic_initial_k: int = field(default=4, metadata=_doc("First k of the `heuristic` policy."))
     probe_every: int = field(default=16, metadata=_doc(
         "`cost` policy: after this many target-only rounds, draft one token to re-measure acceptance "
@@ -195,7 +200,7 @@ class SpeculationConfig:
     def guard_settings(self) -> GuardSettings:
         return GuardSettings(spec_rounds=self.guard_spec_rounds, off_rounds=self.guard_off_rounds,
                              margin=self.guard_margin, rounds_per_session=self.guard_rounds_per_session,
-                             cut_loss=self.guard_cut_loss)
+                             cut_loss=self.guard_cut_loss, arrival_window_ms=self.guard_arrival_window_ms)
 
     def with_override(self, override: SpeculationOverride) -> "SpeculationConfig":
         """A request's view of the config. Precedence: request fixed_k > request fields > server."""

@@ -229,6 +229,15 @@ class GenerationEngine:
             return work(*args, **kwargs)
         return await asyncio.to_thread(work, *args, **kwargs)
 
+    @staticmethod
+    async def _wait_for_arrivals(guard: PairGuard, round_: Round, session: OrchestratorSession,
+                                 deadline: Deadline) -> None:
+        """Before a turn's first round on a speculating pair: a moment for turns arriving with it to
+        count in the pair's load (PairGuard.arrival_wait_ms), priced on the target's rows curve."""
+        wait_ms = guard.arrival_wait_ms(session.stats.timing.load.forward_ms(max(1, round_.target_prefill_rows())))
+        if wait_ms > 0:
+            await asyncio.sleep(deadline.cap(wait_ms / 1000.0))
+
     @property
     def draft_degraded(self) -> bool:
         """True while a draft replica in use is in backoff (the health entry .../draft)."""
@@ -243,45 +252,53 @@ class GenerationEngine:
         deadline = Deadline(timeout_s)
         ephemeral = params.session_id is None
         session_id = params.session_id or f"tmp-{uuid.uuid4().hex}"
+        # The turn counts in its pair's load from now, not from its first round (guard.arrive).
+        arrival = Arrival(self.guard_for(session_id) if speculation.guarded else None)
         try:
-            session = await self.sessions.take(session_id, ephemeral, lambda: self.prior_for(session_id).new_session(),
-                                               deadline.cap(ENDING_WAIT_S), must_exist=params.resume_session)
-        except SessionBusy:
-            deadline.remaining()  # DeadlineExceeded where the caller's deadline ran out first
-            raise
-        try:
-            # The statistics too: a retry of the turn with the same seed reuses its uniforms, so the
-            # failed attempt's acceptances must not choose the retry's k (docs/correctness.md).
-            saved_tokens, saved_messages, saved_stats = list(session.tokens), list(session.messages), session.stats.snapshot()
-            completed = False
             try:
-                if not session.tokens and (ending := self._ending.get(session_id)) is not None:
-                    # The workers are still ending this id's last session: let them, before this one starts.
-                    await asyncio.wait([ending], timeout=deadline.cap(ENDING_WAIT_S))
-                # aclosing: a consumer that stops early closes the turn (and its pending pre-draft)
-                # here, before the session lock is released, not whenever the generator is collected.
-                async with contextlib.aclosing(self._run_turn(session, params, speculation, deadline)) as events:
-                    async for event in events:
-                        completed = event.finish_reason is not None
-                        yield event
+                session = await self.sessions.take(session_id, ephemeral,
+                                                   lambda: self.prior_for(session_id).new_session(),
+                                                   deadline.cap(ENDING_WAIT_S), must_exist=params.resume_session)
+            except SessionBusy:
+                deadline.remaining()  # DeadlineExceeded where the caller's deadline ran out first
+                raise
+            try:
+                # The statistics too: a retry of the turn with the same seed reuses its uniforms, so the
+                # failed attempt's acceptances must not choose the retry's k (docs/correctness.md).
+                saved_tokens, saved_messages = list(session.tokens), list(session.messages)
+                saved_stats = session.stats.snapshot()
+                completed = False
+                try:
+                    if not session.tokens and (ending := self._ending.get(session_id)) is not None:
+                        # The workers are still ending this id's last session: let them, before this one starts.
+                        await asyncio.wait([ending], timeout=deadline.cap(ENDING_WAIT_S))
+                    # aclosing: a consumer that stops early closes the turn (and its pending pre-draft)
+                    # here, before the session lock is released, not whenever the generator is collected.
+                    async with contextlib.aclosing(self._run_turn(session, params, speculation, deadline,
+                                                                   arrival)) as events:
+                        async for event in events:
+                            completed = event.finish_reason is not None
+                            yield event
+                finally:
+                    # All or nothing: a failed or cancelled turn leaves the session as it was (no prompt twice).
+                    if not completed:
+                        session.tokens, session.messages = saved_tokens, saved_messages
+                        saved_stats.timing.load = session.stats.timing.load  # the pair's live load, kept
+                        session.stats = saved_stats
+                    # A named session whose first turn failed is left as it was before: not there at all.
+                    # Discarded before touch() counts its tokens: an ephemeral turn's tokens, freed at
+                    # once, evicted named sessions' histories to make room for them.
+                    if (ephemeral or not session.tokens) and self.sessions.discard(session):
+                        self._end_on_workers(session_id)
+                    else:
+                        self.sessions.touch(session)
             finally:
-                # All or nothing: a failed or cancelled turn leaves the session as it was (no prompt twice).
-                if not completed:
-                    session.tokens, session.messages = saved_tokens, saved_messages
-                    saved_stats.timing.load = session.stats.timing.load  # the pair's live load, kept
-                    session.stats = saved_stats
-                # A named session whose first turn failed is left as it was before: not there at all.
-                # Discarded before touch() counts its tokens: an ephemeral turn's tokens, freed at
-                # once, evicted named sessions' histories to make room for them.
-                if (ephemeral or not session.tokens) and self.sessions.discard(session):
-                    self._end_on_workers(session_id)
-                else:
-                    self.sessions.touch(session)
+                session.lock.release()
         finally:
-            session.lock.release()
+            arrival.leave()
 
     async def _run_turn(self, session: OrchestratorSession, params: GenerateParams, spec: SpeculationConfig,
-                        deadline: Deadline) -> AsyncIterator[GenerationEvent]:
+                        deadline: Deadline, arrival: "Arrival") -> AsyncIterator[GenerationEvent]:
         started = time.perf_counter()
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         session.tokens = await self._input_tokens(session, params)
@@ -316,7 +333,10 @@ class GenerationEngine:
         learners: list[Any] = [session.stats, prior_learner]
         label = "" if session.ephemeral else session.session_id
         try:
+            if guard is not None:
+                await self._wait_for_arrivals(guard, round_, session, deadline)
             while True:
+                arrival.leave()  # (its first round is decided now)
                 ticket = guard.decide() if guard is not None else None
                 forced_off = ticket is not None and ticket.mode == TARGET_ONLY
                 # A round yields up to k+1 tokens: never draft past the budget, nor past the draft's
@@ -352,6 +372,21 @@ class GenerationEngine:
         if session.messages and params.messages is not None:
             session.messages.append({"role": "assistant", "content": stop.full_text})
         yield GenerationEvent(record.text_delta, list(record.emitted), record.finish, stats, label)
+
+
+class Arrival:
+    """A turn counted in its pair guard's load from its arrival until its first round is decided
+    (guard.arrive / depart); leave() is idempotent."""
+
+    def __init__(self, guard: PairGuard | None) -> None:
+        self.guard = guard
+        if guard is not None:
+            guard.arrive()
+
+    def leave(self) -> None:
+        if self.guard is not None:
+            self.guard.depart()
+            self.guard = None
 
 
 def overlap_pays(stats: SessionStats, prompt_rows: int, spec: SpeculationConfig, remaining: int) -> bool:

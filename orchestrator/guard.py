@@ -40,6 +40,10 @@ provisionally, with no hysteresis in the comparison that follows), after a fall 
 first. Being a peak over a window, the load sees a rise at once and a fall only after LOAD_WINDOW
 decisions: an epoch that straddles a fall can still be decided on mixed rates. Sessions that the
 guard does not steer (fixed k, heuristic, min_k > 0) are not counted in the load.
+A turn counts in the load from its arrival (`arrive`), not only once its first round is decided;
+and, while the pair speculates, its first round waits a moment for turns arriving with it
+(`arrival_wait_ms`), so that a burst of turns decides at the burst's load, not each at the load
+before the next one arrived.
 
 What a round counts for: only steady rounds (a prompt's prefill would swamp the per-token rates),
 decided in the current epoch after every round of earlier epochs had ended, bar long ones (still
@@ -108,6 +112,7 @@ MIN_LOAD_CHANGE = 2      # ... and by at least this many rounds in flight
 TURN_MEMORY = 0.9        # per new turn, the weight left to older turns in the per-turn figures
 MIN_FIRST_ROUNDS = 2.5   # decayed count of first rounds (about 3) before turns are priced with them
 LONG_ROUND_DECISIONS = 3  # per round in flight: decisions of an epoch after which its predecessors' rounds are long ones
+ARRIVAL_SHARE = 0.02     # of a turn's expected prompt forward: how long it waits for turns arriving with it
 
 
 def same_load(a: int, b: int) -> bool:
@@ -137,6 +142,7 @@ class GuardSettings:
     max_stretch: int = 16   # the winner's epochs last 4x the other mode's last epoch, x2 per confirmation, up to 4x this
     rounds_per_session: int = 4  # an epoch counts at least this many rounds per round in flight at once (0: off)
     cut_loss: float = 0.25  # a speculating probe this far behind target-only at half its rounds ends there (0: off)
+    arrival_window_ms: float = 20.0  # most a turn about to speculate waits for turns arriving with it (0: off)
 
     def validate(self) -> "GuardSettings":
         counts = (self.spec_rounds, self.off_rounds, self.max_stretch)
@@ -149,6 +155,9 @@ class GuardSettings:
             raise ValueError(f"guard margin must be in [0, 1), got {self.margin}")
         if not 0.0 <= self.cut_loss < 1.0:
             raise ValueError(f"guard cut_loss must be in [0, 1), got {self.cut_loss}")
+        window = self.arrival_window_ms
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0.0 <= window <= 1000.0:
+            raise ValueError(f"guard arrival_window_ms must be in [0, 1000], got {window!r}")
         return self
 
 
@@ -260,6 +269,7 @@ class PairGuard:
         self._needed_rounds, self._needed_ms = self._length(SPECULATE)
         self._in_flight_peak = 0  # most rounds of this pair running at once during this epoch
         self._recent_in_flight: deque[int] = deque(maxlen=LOAD_WINDOW)  # rounds in flight at each decision
+        self._arriving = 0        # turns begun whose first round is not decided yet (arrive / depart)
         self._epoch_load = 0      # the pair's concurrency when the current epoch began (0: not yet known)
         self.load_restarts = 0
         self._load_era = 0        # +1 at every move of the load: tickets of another era price no first rounds here
@@ -287,7 +297,7 @@ class PairGuard:
     def decide(self) -> GuardTicket:
         """Before a round: TARGET_ONLY means it runs k = 0 (the policy is not asked), SPECULATE that
         the session's policy picks k. Hand the ticket back to observe() or abandon()."""
-        self._recent_in_flight.append(self.in_flight + 1)
+        self._recent_in_flight.append(self.in_flight + 1 + self._arriving)
         if not self._epoch_load:
             self._epoch_load = self.load  # the pair's first round
         elif self._load_shifted():
@@ -314,10 +324,34 @@ class PairGuard:
         self._in_flight_peak = max(self._in_flight_peak, self.in_flight)
         return GuardTicket(self.epoch, self.mode, clean, self._load_era)
 
+    def arrive(self) -> None:
+        """A turn began on the pair: it counts in the load from now until its first round's decide()
+        (call depart() just before that, or when the turn ends without one)."""
+        self._arriving += 1
+
+    def depart(self) -> None:
+        self._arriving = max(0, self._arriving - 1)
+
+    def arrival_wait_ms(self, prompt_forward_ms: float | None) -> float:
+        """How long a turn's first round waits before its decide() for turns arriving with it:
+        ARRIVAL_SHARE of its prompt's expected target forward (`prompt_forward_ms`, from the target's
+        rows curve), at most `arrival_window_ms`; 0 unless the pair is speculating (only speculating
+        first rounds cost more than target-only's) or where the curve cannot tell.
+        Why: turns that arrive together (here 4 within 3 ms) decided one after another, each before
+        the next one arrived, so all but the last saw the old load and speculated over their prompts
+        at a load where speculating lost (loadtest runs 63-65, 2-core Zen 5, 4 streams: 1.5-3.1 s
+        first rounds for 1-4 tokens, beside 0.6 s target-only ones). Waiting a fiftieth of the
+        prompt's forward costs a lone turn about that share of its first token's latency."""
+        window = self.settings.arrival_window_ms
+        if self.mode != SPECULATE or window <= 0 or prompt_forward_ms is None or prompt_forward_ms <= 0:
+            return 0.0
+        return min(window, ARRIVAL_SHARE * prompt_forward_ms)
+
     @property
     def load(self) -> int:
         """The pair's concurrency: the most rounds in flight at any of the last LOAD_WINDOW decisions
-        (a peak, since sessions of one batched step decide their next rounds one after another)."""
+        (a peak, since sessions of one batched step decide their next rounds one after another),
+        turns that arrived and have not decided their first round included."""
         return max(self._recent_in_flight, default=0)
 
     def _load_shifted(self) -> bool:

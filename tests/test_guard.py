@@ -9,6 +9,7 @@ import itertools
 import logging
 import math
 import time
+from typing import Any
 
 import pytest
 
@@ -528,6 +529,47 @@ def test_after_a_rise_in_load_target_only_measures_first_and_speculation_that_st
     assert modes[:18] == [TARGET_ONLY] * 5 + [SPECULATE] * 13 and modes.count(SPECULATE) > 0.6 * len(modes)
 
 
+def test_turns_count_in_the_load_from_their_arrival_so_a_burst_decides_at_its_own_load() -> None:
+    """Four turns arriving together on a pair that speculates at two sessions: counted from their
+    arrival, the first of them to decide already sees four rounds in flight (a rise), and every
+    first round of the burst runs target-only. Counted only once decided, the first three saw the
+    old load and speculated over their prompts (loadtest runs 63-65)."""
+    def burst(counted_on_arrival: bool) -> list[str]:
+        guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
+        play_batched(guard, 400, 2, spec_round=(3, 100.0), off_round=(1, 50.0))
+        assert guard.speculation_wins and guard.mode == SPECULATE and guard.load == 2
+        if counted_on_arrival:
+            for _ in range(4):
+                guard.arrive()
+        tickets = []
+        for _ in range(4):
+            if counted_on_arrival:
+                guard.depart()  # (just before the turn's first decide)
+            tickets.append(guard.decide())
+        assert guard.in_flight == 4 and guard._arriving == 0
+        return [ticket.mode for ticket in tickets]
+
+    assert burst(counted_on_arrival=True) == [TARGET_ONLY] * 4
+    assert burst(counted_on_arrival=False) == [SPECULATE] * 3 + [TARGET_ONLY]
+    guard = PairGuard()
+    guard.depart()  # a depart without an arrival never counts below zero
+    assert guard._arriving == 0
+
+
+def test_a_turn_waits_for_arrivals_only_while_the_pair_speculates_and_a_share_of_its_prompts_forward() -> None:
+    guard = PairGuard(GuardSettings(arrival_window_ms=20.0))
+    assert guard.mode == SPECULATE
+    assert guard.arrival_wait_ms(500.0) == pytest.approx(10.0)   # 2 % of the prompt's forward
+    assert guard.arrival_wait_ms(5000.0) == 20.0                 # at most the window
+    assert guard.arrival_wait_ms(None) == 0.0                    # no curve: no wait
+    assert PairGuard(GuardSettings(arrival_window_ms=0.0)).arrival_wait_ms(500.0) == 0.0  # off
+    play(guard, 200, spec_round=(1, 300.0), off_round=(1, 50.0))  # speculating loses: target-only
+    assert guard.mode == TARGET_ONLY and guard.arrival_wait_ms(500.0) == 0.0
+    for bad in (-1.0, 1001.0, float("nan"), True):
+        with pytest.raises(ValueError):
+            GuardSettings(arrival_window_ms=bad).validate()
+
+
 def test_a_load_that_comes_back_gets_the_decision_taken_at_it_instead_of_a_new_exploration() -> None:
     guard = PairGuard(GuardSettings(spec_rounds=32, off_rounds=8))
     play_batched(guard, 400, 1, spec_round=(3, 100.0), off_round=(1, 50.0))
@@ -783,14 +825,16 @@ def test_the_guard_applies_to_policies_that_choose_k_zero_themselves() -> None:
     assert config.with_override(SpeculationOverride(policy="bandit")).guarded
     assert not config.with_values({"guard": False}, "test").guarded
     settings = config.with_values({"guard_spec_rounds": 5, "guard_off_rounds": 2, "guard_margin": 0.1,
-                                   "guard_rounds_per_session": 0, "guard_cut_loss": 0.4}, "test").guard_settings()
+                                   "guard_rounds_per_session": 0, "guard_cut_loss": 0.4,
+                                   "guard_arrival_window_ms": 5}, "test").guard_settings()
     assert (settings.spec_rounds, settings.off_rounds, settings.margin, settings.rounds_per_session,
-            settings.cut_loss) == (5, 2, 0.1, 0, 0.4)
+            settings.cut_loss, settings.arrival_window_ms) == (5, 2, 0.1, 0, 0.4, 5)
     assert SpeculationConfig().guard_settings().cut_loss == 0.25
     for bad in ({"guard_spec_rounds": 0}, {"guard_off_rounds": 0}, {"guard_margin": 1.0},
                 {"guard_rounds_per_session": -1}, {"guard_rounds_per_session": 2.5},
                 {"guard_margin": float("nan")}, {"guard": 1}, {"guard_cut_loss": 1.0}, {"guard_cut_loss": -0.1},
-                {"guard_cut_loss": float("nan")}):
+                {"guard_cut_loss": float("nan")}, {"guard_arrival_window_ms": -1.0},
+                {"guard_arrival_window_ms": 2000.0}, {"guard_arrival_window_ms": float("inf")}):
         with pytest.raises(SpeculationConfigError):
             config.with_values(bad, "test")
     with pytest.raises(ValueError):
@@ -895,5 +939,48 @@ async def test_a_round_that_fails_before_it_runs_hands_its_ticket_back(monkeypat
         assert failed.value.code() == grpc.StatusCode.INTERNAL  # a bug stays one
         guard = stack.orch.engine.guard_for("any")
         assert guard.in_flight == 0 and guard._outstanding == {}
+    finally:
+        await stack.close()
+
+
+@pytest.mark.parametrize("window_ms", [200.0, 0.0], ids=["gathered", "no-wait"])
+async def test_a_burst_of_turns_on_a_real_pair_is_counted_before_its_first_rounds_decide(
+        monkeypatch: pytest.MonkeyPatch, window_ms: float) -> None:
+    """Over gRPC: a pair that speculated at one session gets four turns 20 ms apart. Each waits its
+    share of its prompt's forward on the target's curve (here all of the 200 ms window: the share
+    raised for a tiny target) for the others, so the burst is seen as a rise and every first round runs target-only (without the wait,
+    the first turn decides before the second arrives, and speculates). A turn that fails before its
+    first round leaves the count too."""
+    import grpc
+
+    from orchestrator import guard as guard_module
+    monkeypatch.setattr(guard_module, "ARRIVAL_SHARE", 1000.0)  # the tiny target's forward is ~1 ms
+    # A target call 30 ms slower than the draft's: speculating pays (the draft and target are one model).
+    stack = await start_stack(speculation=SpeculationConfig(max_k=4, guard_arrival_window_ms=window_ms),
+                              target_call_delay_ms=30.0)
+    try:
+        guard = stack.orch.engine.guard_for("any")
+        warm = await stack.generate(prompt_ids=[5, 6, 7], max_new_tokens=12)
+        assert warm.stats.k_per_round[0] > 0, list(warm.stats.k_per_round)
+        assert guard.mode == SPECULATE and guard.load == 1 and guard._arriving == 0
+        prompts = [[5 + i, 6, 7, 8 + i] for i in range(4)]
+
+        async def arriving(index: int, prompt: list[int]) -> Any:
+            await asyncio.sleep(0.02 * index)
+            return await stack.generate(prompt_ids=prompt, max_new_tokens=12)
+
+        replies = await asyncio.gather(*(arriving(i, p) for i, p in enumerate(prompts)))
+        assert [list(r.token_ids) for r in replies] == [reference_greedy(p, 12) for p in prompts]
+        first_ks = [r.stats.k_per_round[0] for r in replies]
+        if window_ms:
+            assert first_ks == [0] * 4, [list(r.stats.k_per_round) for r in replies]
+        else:
+            assert first_ks[0] > 0, ([list(r.stats.k_per_round) for r in replies], [r.stats.guard_off_rounds for r in replies])
+        assert guard.load_restarts == 1 and guard._arriving == 0
+        too_long = stack.orch.engine.target_info.max_context
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stack.generate(prompt_ids=[5] * too_long, max_new_tokens=4)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert guard._arriving == 0 and guard.in_flight == 0
     finally:
         await stack.close()
