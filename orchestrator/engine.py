@@ -233,8 +233,10 @@ class GenerationEngine:
     async def _wait_for_arrivals(guard: PairGuard, round_: Round, session: OrchestratorSession,
                                  deadline: Deadline) -> None:
         """Before a turn's first round on a speculating pair: a moment for turns arriving with it to
-        count in the pair's load (PairGuard.arrival_wait_ms), priced on the target's rows curve."""
-        wait_ms = guard.arrival_wait_ms(session.stats.timing.load.forward_ms(max(1, round_.target_prefill_rows())))
+        count in the pair's load (PairGuard.arrival_wait_ms), priced on the target's rows curve.
+        None where the round runs target-only anyway (the prefill overlap: no rows to price)."""
+        rows = round_.target_prefill_rows()
+        wait_ms = guard.arrival_wait_ms(session.stats.timing.load.forward_ms(rows)) if rows > 0 else 0.0
         if wait_ms > 0:
             await asyncio.sleep(deadline.cap(wait_ms / 1000.0))
 
@@ -333,7 +335,7 @@ class GenerationEngine:
         learners: list[Any] = [session.stats, prior_learner]
         label = "" if session.ephemeral else session.session_id
         try:
-            if guard is not None:
+            if guard is not None and min(spec.max_k, stop.remaining - 1, self.draft_max_context - len(session.tokens)) > 0:
                 await self._wait_for_arrivals(guard, round_, session, deadline)
             while True:
                 arrival.leave()  # (its first round is decided now)
