@@ -32,13 +32,15 @@ from orchestrator.routing import bounded_entry
 from orchestrator.sessions import OrchestratorSession, OrchestratorSessions
 from orchestrator.stopping import StopConditions
 from specdec.contract import SamplingConfig, validate_session_id
-from specdec.errors import InvalidRequest, SessionBusy, SpecdecError
+from specdec.errors import CapacityExceeded, InvalidRequest, SessionBusy, SpecdecError
 from specdec.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
 ENDING_WAIT_S = 2.0  # how long a session's next request waits for its last turn to finish cleaning up
 CONCURRENT_ENDS = 8  # EndSession calls in flight to the workers at once, at most
+PENDING_ENDS_HEADROOM = 1024  # ends queued for the workers beyond max_sessions before new ones are refused or dropped
+ENDS_RETRY_AFTER_MS = 1000  # the retry hint of an EndSession refused for a full backlog
 INLINE_TOKENIZE_CHARS = 8_192  # shorter input is tokenised on the event loop (well under a millisecond)
 
 
@@ -75,6 +77,10 @@ class GenerationEngine:
                                              max_tokens=limits.max_session_tokens)
         self._background: set[asyncio.Task[Any]] = set()
         self._ending: dict[str, asyncio.Task[Any]] = {}  # session id -> its worker sessions being ended
+        self._queued_ends: set[str] = set()  # ... of which still waiting for a slot (an end asked again joins it)
+        # The backlog is bounded: an EndSession loop (a caller that gives up at once leaves its end
+        # running) or workers slow to end grew it without limit. Every held session can expire at once.
+        self._max_pending_ends = limits.max_sessions + PENDING_ENDS_HEADROOM
         # Ends go to the workers a few at a time: when thousands of sessions expire together (the
         # first request after a lull longer than the TTL), all their calls at once held up every
         # stream (8 requests took 3.7 s instead of 0.15 with 5,000 sessions ending).
@@ -98,6 +104,9 @@ class GenerationEngine:
         if params.prompt_ids is not None:
             if not params.prompt_ids:
                 raise InvalidRequest("prompt_ids is empty")
+            if len(params.prompt_ids) > self.target_info.max_context:  # before a scan of millions of ids
+                raise InvalidRequest(f"prompt_ids has {len(params.prompt_ids)} tokens, which exceeds the model "
+                                     f"context of {self.target_info.max_context}")
             bad = [t for t in params.prompt_ids if not 0 <= t < self.target_info.vocab_size]
             if bad:
                 raise InvalidRequest(f"prompt_ids contains {bad[0]}, outside the vocabulary [0, {self.target_info.vocab_size})")
@@ -130,23 +139,42 @@ class GenerationEngine:
         return self.speculation.with_override(params.speculation)
 
     # ------------------------------------------------------------------ sessions
-    def _end_on_workers(self, session_id: str, failure_level: int = logging.DEBUG) -> asyncio.Task[bool] | None:
+    def _end_on_workers(self, session_id: str, failure_level: int = logging.DEBUG,
+                        asked: bool = False) -> asyncio.Task[bool] | None:
+        """End the id's sessions on the workers in the background (a task a new session on the id
+        waits for). An end of the same id still waiting for its slot serves this one too: it has
+        not run yet. With the backlog full, a tidy-up (an evicted or stand-alone session) is left to
+        the workers' own TTL and LRU, and an end the caller `asked` for is refused RESOURCE_EXHAUSTED."""
+        if session_id in self._queued_ends and (queued := self._ending.get(session_id)) is not None:
+            return queued
+        if len(self._background) >= self._max_pending_ends:
+            if asked:
+                raise self._ends_refused()
+            log.debug("end backlog full: session %s left to the workers' TTL", session_id)
+            return None
         try:
             task = asyncio.get_running_loop().create_task(self._end_on_backends(session_id, failure_level))
         except RuntimeError:  # no loop: nothing to end them with
             return None
         self._background.add(task)
         self._ending[session_id] = task  # a new session on the id waits for it (generate)
+        self._queued_ends.add(session_id)
         task.add_done_callback(functools.partial(self._ended, session_id))
         return task
+
+    def _ends_refused(self) -> CapacityExceeded:
+        return CapacityExceeded(f"{len(self._background)} sessions are being ended on the workers; retry later",
+                                ENDS_RETRY_AFTER_MS)
 
     def _ended(self, session_id: str, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)
         if self._ending.get(session_id) is task:
             del self._ending[session_id]
+            self._queued_ends.discard(session_id)
 
     async def _end_on_backends(self, session_id: str, failure_level: int) -> bool:
         async with self._end_slots:
+            self._queued_ends.discard(session_id)  # running now: a later end of the id needs its own
             return await self._end_on_each(session_id, failure_level)
 
     async def _end_on_each(self, session_id: str, failure_level: int) -> bool:
@@ -167,6 +195,8 @@ class GenerationEngine:
             await asyncio.wait(set(self._background), timeout=timeout_s)
 
     async def end_session(self, session_id: str) -> bool:
+        if session_id not in self._queued_ends and len(self._background) >= self._max_pending_ends:
+            raise self._ends_refused()  # before anything changes
         found = False
         while (session := self.sessions.get(session_id)) is not None:
             # Wait for a generation in flight on this session: ending it mid-round would let that
@@ -178,7 +208,7 @@ class GenerationEngine:
                     break
         else:
             self.sessions.remove(session_id)  # an evicted session's id may start afresh now
-        ending = self._end_on_workers(session_id, logging.WARNING)  # registered: a new session waits for it
+        ending = self._end_on_workers(session_id, logging.WARNING, asked=True)  # a new session waits for it
         return bool(ending is not None and await asyncio.shield(ending)) or found
 
     @staticmethod

@@ -13,6 +13,7 @@ from specdec.contract import Commit, common_prefix_len, prefix_hash
 from specdec.errors import CapacityExceeded, SessionBusy, SessionInputConflict, SessionNotFound
 
 log = logging.getLogger(__name__)
+BUSY_RETRY_AFTER_MS = 1000  # the retry hint when every session is busy: about one turn
 
 
 @dataclass
@@ -155,7 +156,8 @@ class OrchestratorSessions:
                                       "expired, evicted, or lost with a restart); send the whole "
                                       "conversation again without resume_session")
             if not ephemeral and self.named >= self.max_sessions and not self._idle_named():
-                raise CapacityExceeded(f"all {self.max_sessions} sessions are busy generating; retry later")
+                raise CapacityExceeded(f"all {self.max_sessions} sessions are busy generating; retry later",
+                                       BUSY_RETRY_AFTER_MS)
             session = OrchestratorSession(session_id, ephemeral, stats=new_stats())
             self._sessions[session_id] = session
             self.named += not ephemeral

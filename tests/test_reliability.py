@@ -218,6 +218,52 @@ async def test_sessions_expiring_together_are_ended_a_few_at_a_time() -> None:
     assert CountingTarget.calls >= 200 and CountingTarget.most <= CONCURRENT_ENDS
 
 
+async def test_the_backlog_of_ends_is_bounded_and_an_end_asked_again_joins_the_queued_one() -> None:
+    """EndSession spawns a background end on the workers that outlives the call: a caller looping on
+    EndSession with a short deadline, or workers slow to end, grew the backlog without limit. An end
+    of an id still queued serves a second one; with the backlog full, tidy-ups (stand-alone
+    sessions) are left to the workers' TTL and an asked-for end is refused RESOURCE_EXHAUSTED with
+    a retry hint, before it removes anything."""
+    from orchestrator.engine import CONCURRENT_ENDS, PENDING_ENDS_HEADROOM
+    from specdec.errors import CapacityExceeded
+    release = asyncio.Event()
+
+    class SlowEnds(_FakeTarget):
+        calls: list[str] = []
+
+        async def end_session(self, session_id):
+            SlowEnds.calls.append(session_id)
+            await release.wait()
+            return True
+
+    engine = GenerationEngine(_FakeDraft(), SlowEnds(), ByteTokenizer(), WorkerDescription("target", "fake", 260, 4096, [257]),
+                              limits=EngineLimits(max_sessions=4))
+    assert engine._max_pending_ends == 4 + PENDING_ENDS_HEADROOM
+    engine._max_pending_ends = CONCURRENT_ENDS + 2  # (a small backlog for the test)
+    asks = [asyncio.ensure_future(engine.end_session(f"gone{i}")) for i in range(CONCURRENT_ENDS + 1)]
+    await asyncio.sleep(0.05)
+    assert len(engine._background) == CONCURRENT_ENDS + 1 and engine._queued_ends == {f"gone{CONCURRENT_ENDS}"}
+    # The queued id asked again: the same end, no new task.
+    again = asyncio.ensure_future(engine.end_session(f"gone{CONCURRENT_ENDS}"))
+    await asyncio.sleep(0.01)
+    assert len(engine._background) == CONCURRENT_ENDS + 1
+    engine.sessions.get_or_create("named", False, SessionStats).tokens = [1, 2]
+    last = asyncio.ensure_future(engine.end_session("another"))  # fills the backlog
+    await asyncio.sleep(0.01)
+    assert len(engine._background) == CONCURRENT_ENDS + 2
+    with pytest.raises(CapacityExceeded) as refused:
+        await engine.end_session("named")
+    assert refused.value.retry_after_ms > 0 and engine.sessions.get("named") is not None  # nothing removed
+    # A stand-alone turn's tidy-up is dropped, not queued: its turn still completes.
+    events = [event async for event in engine.generate(GenerateParams(prompt_ids=(1, 2), max_new_tokens=2))]
+    assert events[-1].finish_reason is not None and len(engine._background) == CONCURRENT_ENDS + 2
+    release.set()
+    assert all(await asyncio.gather(*asks, again, last))
+    await engine.settle(5.0)
+    assert engine._background == set() and engine._queued_ends == set() and engine._ending == {}
+    assert await engine.end_session("named")  # room again
+
+
 class _HangingTarget(_FakeTarget):
     """A target whose process is up (keepalive answered) but whose Verify never returns."""
 
@@ -524,8 +570,9 @@ def test_sessions_all_generating_refuse_a_new_one_as_resource_exhausted() -> Non
     sessions = OrchestratorSessions(1, ttl_s=10.0, on_evict=lambda s: evicted.append(s.session_id), clock=lambda: now[0])
     busy = sessions.get_or_create("a", False, SessionStats)
     asyncio.run(busy.lock.acquire())  # "a" is generating
-    with pytest.raises(CapacityExceeded):
+    with pytest.raises(CapacityExceeded) as refused:
         sessions.get_or_create("b", False, SessionStats)  # was a KeyError (INTERNAL), and evicted "b" on the workers
+    assert refused.value.retry_after_ms > 0  # the retry-after-ms trailer every RESOURCE_EXHAUSTED carries
     assert sessions.get("b") is None and sessions.get("a") is busy and evicted == []
     busy.lock.release()
     # A turn that ran 30 s: its idle time starts when it ends, not when it began.

@@ -29,6 +29,8 @@ BAD_REQUESTS = [
     (dict(prompt="x", stop=["ok\ufffd"]), "must not contain U+FFFD"),
     (dict(messages=[("robot", "hi")]), "unknown message role"),
     (dict(prompt_ids=[1] * 5000), "exceeds the model context"),
+    # Counted before the ids are scanned (millions of them held the event loop for the scan).
+    (dict(prompt_ids=[99999] * 5000), "prompt_ids has 5000 tokens, which exceeds the model context"),
     (dict(prompt="x" * 1_000_001), "prompt has 1000001 characters"),
     # Checked before a chat template renders and the tokenizer reads the text, as a plain prompt is.
     (dict(messages=[("system", "x" * 500_000), ("user", "y" * 500_001)]), "prompt has 1000001 characters"),
