@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -62,8 +63,11 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
         if retry_after_ms is not None:  # RESOURCE_EXHAUSTED from a full queue: when to come back
             context.set_trailing_metadata((("retry-after-ms", str(int(retry_after_ms))),))
         await context.abort(status_code(exc), str(exc))
-    log.exception("internal error", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    # The caller gets the bug's kind and an id to find it in this server's log, not its text (which
+    # can carry paths, tensors or other sessions' data).
+    error_id = uuid.uuid4().hex[:12]
+    log.error("internal error %s", error_id, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); logged as {error_id}")
 
 
 class MalformedRequest:

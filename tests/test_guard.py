@@ -937,6 +937,9 @@ async def test_a_round_that_fails_before_it_runs_hands_its_ticket_back(monkeypat
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             await stack.generate(prompt_ids=[5, 6, 7], max_new_tokens=20)
         assert failed.value.code() == grpc.StatusCode.INTERNAL  # a bug stays one
+        # Its kind and a log id reach the caller, not its text.
+        assert "ZeroDivisionError" in failed.value.details() and "a bug in the policy" not in failed.value.details()
+        assert "logged as " in failed.value.details()
         guard = stack.orch.engine.guard_for("any")
         assert guard.in_flight == 0 and guard._outstanding == {}
     finally:
