@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import statistics
+import threading
 import time
 
 import pytest
@@ -96,7 +97,11 @@ async def test_multi_turn_session_with_pipelining_matches_serial() -> None:
             # end of the turn may have added more; the next commit crops what the target did not confirm).
             # On the slot the session drafts from now: after a taken branch that is not slot 0.
             session = stack.orch.engine.sessions.get(sid)
-            await asyncio.sleep(0.2)  # let a cancelled pre-draft finish on the worker
+            # Let a cancelled pre-draft finish on the worker: its scheduler idle.
+            deadline = time.monotonic() + 10.0
+            while stack.draft.scheduler.snapshot().active or stack.draft.scheduler.waiting_calls:
+                assert time.monotonic() < deadline, "the draft worker never went idle"
+                await asyncio.sleep(0.01)
             held = stack.draft.core.session_tokens(slot_key(sid, session.draft_slot))
             assert held is not None and held[:len(session.draft_view.tokens)] == session.draft_view.tokens
             if pipeline:
@@ -137,6 +142,7 @@ async def test_cancelled_pipelined_stream_leaves_no_call_behind(target_delay_ms:
         deadline = time.monotonic() + 5
         while session.lock.locked() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        assert not session.lock.locked(), "the cancelled turn never released its session"
         assert session.tokens == before
         # No pre-draft task outlives the cancelled turn.
         pending = [t for t in asyncio.all_tasks() if not t.done() and "_propose" in repr(t.get_coro())]
@@ -298,21 +304,24 @@ async def test_emulated_latency_delays_both_directions_and_keeps_errors() -> Non
         # A call cancelled while the worker still computes ends at once, as a real one does locally:
         # no return leg (with one, every pre-draft cancelled by a rejection held the next round back
         # by another one-way delay).
+        in_step = threading.Event()
+
         def slow_steps(params):
-            time.sleep(1.0)  # (on the worker's model thread) still computing when the caller cancels
+            in_step.set()
+            time.sleep(2.0)  # (on the worker's model thread) still computing when the caller cancels
             return original(params)
         stack.draft.engine.propose_steps = slow_steps
-        slow = open_channel(f"127.0.0.1:{stack.draft_handle.port}", interceptors=[EmulatedLatency(300.0)])
+        slow = open_channel(f"127.0.0.1:{stack.draft_handle.port}", interceptors=[EmulatedLatency(1000.0)])
         try:
             call = asyncio.ensure_future(worker_pb2_grpc.DraftWorkerStub(slow).Propose(
                 worker_pb2.ProposeRequest(session_id="missing", k=2, commit=common_pb2.CacheCommit(cache_len=5)),
-                timeout=10))
-            await asyncio.sleep(0.5)  # past the 300 ms send leg: the worker is in its 1 s step
+                timeout=20))
+            assert await asyncio.to_thread(in_step.wait, 10.0)  # past the 1 s send leg, in the 2 s step
             started = time.perf_counter()
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
-            assert time.perf_counter() - started < 0.15  # (with a return leg: 0.3 s)
+            assert time.perf_counter() - started < 0.5  # (with a return leg: 1 s or more)
         finally:
             await slow.close()
     finally:

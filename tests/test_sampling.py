@@ -128,6 +128,50 @@ def test_warp_top_k_and_top_p() -> None:
     assert (probs > 0).sum() == 1 and float(probs[0]) == 1.0
 
 
+def reference_warp(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+    """Temperature, then top-k, then top-p (the smallest most-likely prefix whose mass reaches top_p),
+    written out in plain Python floats, independently of specdec.sampling."""
+    scaled = [x / temperature for x in logits]
+    order = sorted(range(len(scaled)), key=lambda i: -scaled[i])
+    kept = set(order[:top_k] if 0 < top_k < len(scaled) else order)
+    peak = max(scaled[i] for i in kept)
+    weights = [math.exp(scaled[i] - peak) if i in kept else 0.0 for i in range(len(scaled))]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    if top_p < 1.0:
+        mass, nucleus = 0.0, set()
+        for i in sorted(kept, key=lambda i: -probs[i]):
+            if mass >= top_p:
+                break
+            nucleus.add(i)
+            mass += probs[i]
+        probs = [p / mass if i in nucleus else 0.0 for i, p in enumerate(probs)]
+    return probs
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.6])
+def test_warp_matches_an_independent_reference_and_hf_warpers_away_from_temperature_one(temperature: float) -> None:
+    """warp is the function both workers and every distribution test's reference use, so a bug in it
+    (logits times T, top-p before top-k) would pass them all: here it meets a plain-Python
+    reference and transformers' own warpers (what HF generate samples from), at T != 1 too."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    generator = torch.Generator().manual_seed(int(temperature * 10))
+    for top_k, top_p in [(0, 1.0), (5, 1.0), (0, 0.8), (7, 0.6), (3, 0.95)]:
+        for _ in range(5):
+            logits = torch.randn(12, generator=generator, dtype=torch.float64) * 2.0
+            got = warp(logits, SamplingConfig(temperature, top_k=top_k, top_p=top_p)).to(torch.float64)
+            want = torch.tensor(reference_warp(logits.tolist(), temperature, top_k, top_p), dtype=torch.float64)
+            assert torch.allclose(got, want, atol=1e-6), (temperature, top_k, top_p, got, want)
+            scores = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
+            if top_k:
+                scores = TopKLogitsWarper(top_k)(None, scores)
+            if top_p < 1.0:
+                scores = TopPLogitsWarper(top_p)(None, scores)
+            hf = torch.softmax(scores, dim=-1)[0]
+            assert torch.allclose(got, hf, atol=1e-6), (temperature, top_k, top_p, got, hf)
+
+
 def test_verify_greedy() -> None:
     rows = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
     assert verify_greedy(rows, [1, 0]) == sampling.VerifyOutcome(2, 2)  # all accepted, bonus argmax
@@ -136,7 +180,19 @@ def test_verify_greedy() -> None:
 
 
 def test_uniforms_are_reproducible_and_distinct() -> None:
-    assert sampling.uniform(7, 3, 1) == sampling.uniform(7, 3, 1)
+    """The draft and target processes (and two versions of them in a rolling upgrade) must draw the
+    same uniforms: pinned values, and the same values in a process with another hash seed."""
+    import os
+    import subprocess
+    import sys
+    pinned = {(7, 3, 1, 0): 0.8349855037922129, (2**63 + 5, 100, 2, 9): 0.3359650900526814}
+    for (seed, position, stream, context), value in pinned.items():
+        assert sampling.uniform(seed, position, stream, context) == value
+    code = ("from specdec import sampling; print(repr(sampling.uniform(7, 3, 1)), "
+            "repr(sampling.uniform(2**63 + 5, 100, 2, context=9)))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert [float(v) for v in other.stdout.split()] == list(pinned.values())
     values = {sampling.uniform(7, pos, stream) for pos in range(100) for stream in (1, 2, 3)}
     assert len(values) == 300 and all(0.0 <= v < 1.0 for v in values)
 

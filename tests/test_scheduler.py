@@ -789,7 +789,9 @@ def test_a_new_sessions_second_call_joins_the_forward_of_the_others() -> None:
     try:
         for t in threads:
             t.start()
+        deadline = _time.monotonic() + WAIT_S
         while len(batches) < 4:  # the old sessions' gaps are learned
+            assert _time.monotonic() < deadline, f"{len(batches)} batches in {WAIT_S} s"
             _time.sleep(0.01)
         scheduler.submit("fresh", call("fresh"))[0].result(WAIT_S)
         _time.sleep(0.012)
