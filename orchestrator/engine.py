@@ -162,6 +162,12 @@ class GenerationEngine:
         task.add_done_callback(functools.partial(self._ended, session_id))
         return task
 
+    def _refuse_end_if_full(self, session_id: str) -> None:
+        """An EndSession is refused before it changes anything, and with no await between this check
+        and its end's creation (_end_on_workers)."""
+        if session_id not in self._queued_ends and len(self._background) >= self._max_pending_ends:
+            raise self._ends_refused()
+
     def _ends_refused(self) -> CapacityExceeded:
         return CapacityExceeded(f"{len(self._background)} sessions are being ended on the workers; retry later",
                                 ENDS_RETRY_AFTER_MS)
@@ -195,8 +201,7 @@ class GenerationEngine:
             await asyncio.wait(set(self._background), timeout=timeout_s)
 
     async def end_session(self, session_id: str) -> bool:
-        if session_id not in self._queued_ends and len(self._background) >= self._max_pending_ends:
-            raise self._ends_refused()  # before anything changes
+        self._refuse_end_if_full(session_id)
         found = False
         while (session := self.sessions.get(session_id)) is not None:
             # Wait for a generation in flight on this session: ending it mid-round would let that
@@ -204,6 +209,7 @@ class GenerationEngine:
             # hold another session (a waiting request took it over from a failed first turn): that one too.
             async with session.lock:
                 if found := self.sessions.get(session_id) is session:
+                    self._refuse_end_if_full(session_id)  # (again: the backlog may have filled meanwhile)
                     self.sessions.remove(session_id)
                     break
         else:

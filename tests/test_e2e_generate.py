@@ -29,7 +29,6 @@ async def test_greedy_is_token_identical_to_target_alone(draft_ref: str, specula
     # the pair guard goes target-only: a target call 20 ms slower makes speculating pay, and the
     # adaptive variants check speculative output, not target-only against target-only.
     stack = await start_stack(draft_ref=draft_ref, target_call_delay_ms=20.0 if "policy" in speculation else 0.0)
-    drafted = 0
     try:
         for prompt in PROMPTS:
             reply = await stack.generate(prompt_ids=prompt, max_new_tokens=MAX_NEW, speculation=speculation)
@@ -39,11 +38,10 @@ async def test_greedy_is_token_identical_to_target_alone(draft_ref: str, specula
                                else orchestrator_pb2.FINISH_REASON_LENGTH)
             assert reply.finish_reason == expected_finish
             assert reply.stats.new_tokens == len(want)
-            if "fixed_k" in speculation:
-                assert reply.stats.draft_tokens > 0
-            drafted += reply.stats.draft_tokens
-        # A draft of other weights (seed=1) is rarely accepted: the cost policy rightly drafts little.
-        assert drafted >= (1 if draft_ref == "tiny:seed=1" else 10), drafted
+            # Every fixed-k reply drafted, and each policy's first (later ones may rightly go
+            # target-only: a draft of other weights, seed=1, is rarely accepted).
+            if "fixed_k" in speculation or prompt is PROMPTS[0]:
+                assert reply.stats.draft_tokens > 0, list(reply.stats.k_per_round)
     finally:
         await stack.close()
 

@@ -247,10 +247,18 @@ async def test_the_backlog_of_ends_is_bounded_and_an_end_asked_again_joins_the_q
     again = asyncio.ensure_future(engine.end_session(f"gone{CONCURRENT_ENDS}"))
     await asyncio.sleep(0.01)
     assert len(engine._background) == CONCURRENT_ENDS + 1
-    engine.sessions.get_or_create("named", False, SessionStats).tokens = [1, 2]
-    last = asyncio.ensure_future(engine.end_session("another"))  # fills the backlog
+    named = engine.sessions.get_or_create("named", False, SessionStats)
+    named.tokens = [1, 2]
+    await named.lock.acquire()  # a turn in flight: the end waits for it, past the first check
+    waiting_end = asyncio.ensure_future(engine.end_session("named"))
+    await asyncio.sleep(0.01)
+    last = asyncio.ensure_future(engine.end_session("another"))  # fills the backlog meanwhile
     await asyncio.sleep(0.01)
     assert len(engine._background) == CONCURRENT_ENDS + 2
+    named.lock.release()
+    with pytest.raises(CapacityExceeded):
+        await waiting_end
+    assert engine.sessions.get("named") is named  # refused before it removed anything
     with pytest.raises(CapacityExceeded) as refused:
         await engine.end_session("named")
     assert refused.value.retry_after_ms > 0 and engine.sessions.get("named") is not None  # nothing removed
