@@ -77,7 +77,9 @@ class GenerationEngine:
                                              max_tokens=limits.max_session_tokens)
         self._background: set[asyncio.Task[Any]] = set()
         self._ending: dict[str, asyncio.Task[Any]] = {}  # session id -> its worker sessions being ended
-        self._queued_ends: set[str] = set()  # ... of which still waiting for a slot (an end asked again joins it)
+        # ... of which still waiting for a slot (an end asked again joins it), with the log level of
+        # a failure: the highest any of its askers wanted (a client's EndSession: WARNING).
+        self._queued_ends: dict[str, int] = {}
         # The backlog is bounded: an EndSession loop (a caller that gives up at once leaves its end
         # running) or workers slow to end grew it without limit. Every held session can expire at once.
         self._max_pending_ends = limits.max_sessions + PENDING_ENDS_HEADROOM
@@ -146,6 +148,7 @@ class GenerationEngine:
         not run yet. With the backlog full, a tidy-up (an evicted or stand-alone session) is left to
         the workers' own TTL and LRU, and an end the caller `asked` for is refused RESOURCE_EXHAUSTED."""
         if session_id in self._queued_ends and (queued := self._ending.get(session_id)) is not None:
+            self._queued_ends[session_id] = max(self._queued_ends[session_id], failure_level)
             return queued
         if len(self._background) >= self._max_pending_ends:
             if asked:
@@ -158,7 +161,7 @@ class GenerationEngine:
             return None
         self._background.add(task)
         self._ending[session_id] = task  # a new session on the id waits for it (generate)
-        self._queued_ends.add(session_id)
+        self._queued_ends[session_id] = failure_level
         task.add_done_callback(functools.partial(self._ended, session_id))
         return task
 
@@ -176,11 +179,12 @@ class GenerationEngine:
         self._background.discard(task)
         if self._ending.get(session_id) is task:
             del self._ending[session_id]
-            self._queued_ends.discard(session_id)
+            self._queued_ends.pop(session_id, None)
 
     async def _end_on_backends(self, session_id: str, failure_level: int) -> bool:
         async with self._end_slots:
-            self._queued_ends.discard(session_id)  # running now: a later end of the id needs its own
+            # Running now: a later end of the id needs its own.
+            failure_level = self._queued_ends.pop(session_id, failure_level)
             return await self._end_on_each(session_id, failure_level)
 
     async def _end_on_each(self, session_id: str, failure_level: int) -> bool:

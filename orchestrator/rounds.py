@@ -576,11 +576,15 @@ class Round:
                 view.keep(commit.cache_len)
                 raise
             except (SessionNotFound, CacheMismatch) as exc:
+                view.reset()
                 if attempt:
-                    raise
+                    # Even the re-prefill was refused: a draft bug, not the caller's error. The round
+                    # runs target-only (a draft failure never fails a turn); the next re-prefills.
+                    log.error("draft refused session %s's re-prefill too (%s); this round runs target-only",
+                              session.session_id, exc)
+                    return None
                 log.info("draft lost session %s (%s): re-prefilling", session.session_id, type(exc).__name__)
                 calls.reprefills += 1
-                view.reset()
                 continue
             except (WorkerUnavailable, DeadlineExceeded) as exc:
                 self.deadline.remaining()  # our own deadline passing is the caller's error, not a fallback

@@ -147,6 +147,17 @@ async def test_draft_invalid_request_runs_the_round_target_only(stack) -> None:
     assert not stack.orch.engine.draft_degraded
 
 
+async def test_a_draft_that_refuses_the_re_prefill_too_runs_the_round_target_only(stack) -> None:
+    """NOT_FOUND, then NOT_FOUND again for the re-prefill: a draft bug. It failed the turn with
+    NOT_FOUND (the caller's session blamed); now that round runs target-only and the next re-prefills."""
+    from specdec.errors import SessionNotFound
+    fail_on_call(stack.draft.engine, "propose_steps", 2, lambda: SessionNotFound("injected: lost"))
+    fail_on_call(stack.draft.engine, "propose_steps", 3, lambda: SessionNotFound("injected: lost again"))
+    reply = await stack.generate(prompt_ids=TURNS[0], max_new_tokens=NEW, speculation=SPEC)
+    assert list(reply.token_ids) == reference_greedy(TURNS[0], NEW)
+    assert reply.stats.fallback_rounds == 1 and reply.stats.reprefills >= 1 and reply.stats.draft_tokens > 0
+
+
 async def test_draft_with_a_shorter_context_drafts_only_within_it() -> None:
     stack = await start_stack(draft_ref="tiny:seed=0,noise=0.04,max_positions=48")
     try:
