@@ -150,7 +150,7 @@ class GenerationEngine:
         if session_id in self._queued_ends and (queued := self._ending.get(session_id)) is not None:
             self._queued_ends[session_id] = max(self._queued_ends[session_id], failure_level)
             return queued
-        if len(self._background) >= self._max_pending_ends:
+        if self._ends_backlog_full():
             if asked:
                 raise self._ends_refused()
             log.debug("end backlog full: session %s left to the workers' TTL", session_id)
@@ -168,8 +168,11 @@ class GenerationEngine:
     def _refuse_end_if_full(self, session_id: str) -> None:
         """An EndSession is refused before it changes anything, and with no await between this check
         and its end's creation (_end_on_workers)."""
-        if session_id not in self._queued_ends and len(self._background) >= self._max_pending_ends:
+        if session_id not in self._queued_ends and self._ends_backlog_full():
             raise self._ends_refused()
+
+    def _ends_backlog_full(self) -> bool:
+        return len(self._background) >= self._max_pending_ends
 
     def _ends_refused(self) -> CapacityExceeded:
         return CapacityExceeded(f"{len(self._background)} sessions are being ended on the workers; retry later",
@@ -374,17 +377,21 @@ class GenerationEngine:
         prior_learner = _PriorObserver(prior, spec.picks_target_only)
         learners: list[Any] = [session.stats, prior_learner]
         label = "" if session.ephemeral else session.session_id
+
+        def draft_room() -> int:
+            # A round yields up to k+1 tokens: never draft past the budget, nor past the draft's
+            # context. The policy chooses within that room; where there is none it is not asked
+            # (a probe it would count would draft nothing).
+            return max(0, min(spec.max_k, stop.remaining - 1, self.draft_max_context - len(session.tokens)))
+
         try:
-            if guard is not None and min(spec.max_k, stop.remaining - 1, self.draft_max_context - len(session.tokens)) > 0:
+            if guard is not None and draft_room() > 0:
                 await self._wait_for_arrivals(guard, round_, session, deadline)
+            arrival.leave()  # (its first round is decided now, with no await before it)
             while True:
-                arrival.leave()  # (its first round is decided now)
                 ticket = guard.decide() if guard is not None else None
                 forced_off = ticket is not None and ticket.mode == TARGET_ONLY
-                # A round yields up to k+1 tokens: never draft past the budget, nor past the draft's
-                # context. The policy chooses within that room; where there is none it is not asked
-                # (a probe it would count would draft nothing).
-                room = max(0, min(spec.max_k, stop.remaining - 1, self.draft_max_context - len(session.tokens)))
+                room = draft_room()
                 try:
                     k = 0 if forced_off or room == 0 else policy.next_k(
                         session.stats, min(spec.min_k, room), room, round_.target_prefill_rows())
